@@ -1,0 +1,28 @@
+# make train: set up (.venv, install, digits shards) and run the main job. make test: set up and run the tests.
+# Both are idempotent: a second call reuses the environment, the shards and (train) the finished run.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+# CPU: 2 ranks with cores/2 threads each; GPU: every GPU of this node
+NPROC = $(shell $(PY) -c "import torch; print(torch.cuda.device_count() or 2)")
+THREADS = $(shell echo $$(( $$(nproc) / $(NPROC) > 0 ? $$(nproc) / $(NPROC) : 1 )))
+
+.PHONY: train test data clean
+train: $(VENV)/.installed data
+	OMP_NUM_THREADS=$(THREADS) $(VENV)/bin/deepspeed --num_gpus $(NPROC) train.py --config configs/digits-vit.yaml --resume latest
+
+test: $(VENV)/.installed data
+	$(PY) -m pytest -q tests
+
+data: data/digits/_info.json
+
+$(VENV)/.installed: requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements.txt
+	touch $@
+
+data/digits/_info.json: $(VENV)/.installed data/make_shards.py
+	$(PY) data/make_shards.py digits data/digits
+
+clean:
+	rm -rf $(VENV) data/digits runs

@@ -1,0 +1,151 @@
+"""Every run-config key, its type, default and meaning: the one place they are defined.
+
+Resolution order: the defaults below, then a YAML recipe (`--config configs/X.yaml`), then
+`--key value` on the command line. Unknown keys and values of the wrong type are errors.
+The defaults are the main job: a small ViT on the bundled digits shards.
+"""
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """Bad input: train.py prints it as one line and exits non-zero before anything is written."""
+
+
+@dataclass
+class Config:
+    # model
+    model: str = "vit-digits"  # registry name (see models/registry.py) or a local Hugging Face directory
+    num_labels: int = 10  # classifier classes; the head is re-initialised when a local model has another count
+    image_size: int = 16  # input resolution (square); the model's positional embeddings follow it
+    patch_size: int = 0  # 0 = the registry size's own patch size
+    # data
+    train_shards: str = "data/digits/train-{000000..000003}.tar"  # WebDataset shard spec (brace pattern)
+    val_shards: str = "data/digits/val-000000.tar"  # WebDataset shard spec for evaluation
+    num_workers: int = 1  # DataLoader worker processes per rank for training data
+    shuffle_buffer: int = 1000  # samples held in the shuffle buffer per worker
+    # parallelism and precision
+    zero_stage: int = 2  # DeepSpeed ZeRO stage: 1 (optimizer states), 2 (+gradients), 3 (+parameters)
+    ds_config: str = ""  # DeepSpeed JSON template; "" = ds_configs/zero{zero_stage}.json. Its "auto" fields come from this config
+    precision: str = "auto"  # fp32 | bf16 | fp16 | auto (bf16 on GPUs that support it, else fp32)
+    # optimisation
+    micro_batch_size: int = 32  # images per rank per forward/backward
+    grad_accum_steps: int = 1  # micro-batches per optimizer step
+    lr: float = 2e-3  # peak learning rate (AdamW)
+    min_lr: float = 1e-5  # learning rate at the end of the cosine decay
+    weight_decay: float = 0.05  # AdamW decay; never applied to norms, biases, position embeddings, class token
+    beta1: float = 0.9  # AdamW beta1
+    beta2: float = 0.999  # AdamW beta2
+    grad_clip: float = 1.0  # clip the global gradient norm to this; 0 = off
+    label_smoothing: float = 0.0  # cross-entropy label smoothing
+    warmup_steps: int = 50  # linear warm-up from 0 to lr, in optimizer steps
+    max_steps: int = 900  # optimizer steps in the whole run (also the length of the cosine schedule)
+    # evaluation, logging, checkpoints
+    eval_every: int = 300  # evaluate every N optimizer steps (and always at the end); 0 = only at the end
+    save_every: int = 300  # DeepSpeed checkpoint every N optimizer steps (and at the end); 0 = only at the end
+    output_dir: str = "runs/digits-vit"  # run directory: config, metrics.jsonl, TensorBoard, checkpoints, hf_model/
+    seed: int = 0  # seeds the model initialisation and the data order
+    resume: str = ""  # "" = fresh run, "latest" = newest checkpoint in output_dir, or a checkpoint directory
+    progress: bool = True  # tqdm progress bar on rank 0
+
+
+KEYS = {f.name: f for f in dataclasses.fields(Config)}
+CHOICES = {"zero_stage": (1, 2, 3), "precision": ("fp32", "bf16", "fp16", "auto")}
+
+
+def _coerce(key: str, value, from_cli: bool):
+    """Convert `value` to the declared type of `key` or raise ConfigError."""
+    typ = KEYS[key].type
+    typ = {"int": int, "float": float, "str": str, "bool": bool}.get(typ, typ)  # annotations may be strings
+    if from_cli:
+        if typ is bool:
+            low = value.lower()
+            if low not in ("true", "false", "1", "0", "yes", "no"):
+                raise ConfigError(f"config key '{key}' expects true/false, got '{value}'")
+            return low in ("true", "1", "yes")
+        if typ is str:
+            return value
+        try:
+            return typ(value)
+        except ValueError:
+            raise ConfigError(f"config key '{key}' expects {typ.__name__}, got '{value}'") from None
+    if value is None and typ is str:
+        return ""
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise ConfigError(f"config key '{key}' expects {typ.__name__}, got {value!r}")
+    return value
+
+
+def _set(cfg: Config, key: str, value, from_cli: bool, where: str):
+    if key not in KEYS:
+        raise ConfigError(f"unknown config key '{key}' in {where} (known keys: {', '.join(KEYS)})")
+    value = _coerce(key, value, from_cli)
+    if key in CHOICES and value not in CHOICES[key]:
+        raise ConfigError(f"config key '{key}' must be one of {CHOICES[key]}, got {value!r}")
+    setattr(cfg, key, value)
+
+
+def parse(argv=None) -> Config:
+    """Defaults, then `--config FILE` (YAML), then `--key value` overrides."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pairs, recipe = [], None
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"expected --key value, got '{arg}'")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"missing value for --{key}")
+            value = argv[i + 1]
+            i += 1
+        i += 1
+        key = key.replace("-", "_")
+        if key == "local_rank":  # added by the deepspeed launcher; LOCAL_RANK in the environment says the same
+            continue
+        if key == "config":
+            recipe = value
+        else:
+            pairs.append((key, value))
+
+    cfg = Config()
+    if recipe:
+        try:
+            with open(recipe) as f:
+                loaded = yaml.safe_load(f) or {}
+        except OSError as e:
+            raise ConfigError(f"cannot read config file '{recipe}': {e.strerror}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file '{recipe}' is not valid YAML: {e}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file '{recipe}' must hold a mapping of key: value")
+        for key, value in loaded.items():
+            _set(cfg, key, value, from_cli=False, where=recipe)
+    for key, value in pairs:
+        _set(cfg, key, value, from_cli=True, where="the command line")
+    _check(cfg)
+    return cfg
+
+
+def _check(cfg: Config):
+    positive = ("num_labels", "image_size", "micro_batch_size", "grad_accum_steps", "max_steps")
+    for key in positive:
+        if getattr(cfg, key) <= 0:
+            raise ConfigError(f"config key '{key}' must be positive, got {getattr(cfg, key)}")
+    for key in ("patch_size", "num_workers", "warmup_steps", "eval_every", "save_every", "grad_clip", "weight_decay"):
+        if getattr(cfg, key) < 0:
+            raise ConfigError(f"config key '{key}' must be >= 0, got {getattr(cfg, key)}")
+    if cfg.lr <= 0:
+        raise ConfigError(f"config key 'lr' must be positive, got {cfg.lr}")
+    if not cfg.output_dir:
+        raise ConfigError("config key 'output_dir' must not be empty")
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)

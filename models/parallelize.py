@@ -1,0 +1,142 @@
+"""Wrap an unmodified Hugging Face model for training: the one place that does it.
+
+`build_ds_config` turns a DeepSpeed JSON template plus the run config into the final DeepSpeed
+config; `parallelize` hands the model, its parameter groups and the LR schedule to DeepSpeed.
+"""
+import json
+import math
+import os
+
+import torch
+
+from config import Config, ConfigError
+
+DS_CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ds_configs")
+# parameters AdamW must not decay besides every 0-/1-d tensor (norms, biases); names as timm lists them
+NO_DECAY_NAMES = ("position_embeddings", "cls_token", "mask_token", "absolute_pos_embed", "relative_position_bias_table")
+
+
+def resolve_precision(precision: str) -> str:
+    if precision == "fp16" and not torch.cuda.is_available():
+        raise ConfigError("precision fp16 needs a GPU: DeepSpeed's CPU accelerator has no fp16; use fp32 or bf16")
+    if precision != "auto":
+        return precision
+    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
+
+
+def _fill(ds: dict, path: str, value, where: str):
+    """Set ds[path] when it is "auto" or absent; a different explicit value is a contradiction."""
+    *parents, leaf = path.split(".")
+    node = ds
+    for key in parents:
+        node = node.setdefault(key, {})
+    current = node.get(leaf, "auto")
+    if current == "auto":
+        node[leaf] = value
+    elif current != value and not (isinstance(value, float) and isinstance(current, (int, float))
+                                   and math.isclose(current, value)):
+        raise ConfigError(f"{where} sets {path} = {current!r} but the run config implies {value!r}: "
+                          f"make them agree or set it to \"auto\"")
+
+
+def build_ds_config(cfg: Config, hidden_size: int, world_size: int, precision: str) -> dict:
+    """The DeepSpeed config for this run: the template's explicit values win only where they agree."""
+    path = cfg.ds_config or os.path.join(DS_CONFIG_DIR, f"zero{cfg.zero_stage}.json")
+    try:
+        with open(path) as f:
+            ds = json.load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read ds_config '{path}': {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"ds_config '{path}' is not valid JSON: {e}") from None
+    where = f"ds_config '{os.path.relpath(path)}'"
+    if "scheduler" in ds:
+        raise ConfigError(f"{where} has a 'scheduler': the schedule comes from warmup_steps, max_steps, lr and "
+                          f"min_lr; remove it")
+
+    global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * world_size
+    if ds.get("train_batch_size", "auto") not in ("auto", global_batch):
+        raise ConfigError(f"{where} sets train_batch_size = {ds['train_batch_size']} but micro_batch_size x "
+                          f"grad_accum_steps x world size = {cfg.micro_batch_size} x {cfg.grad_accum_steps} x "
+                          f"{world_size} = {global_batch}")
+    _fill(ds, "train_batch_size", global_batch, where)
+    _fill(ds, "train_micro_batch_size_per_gpu", cfg.micro_batch_size, where)
+    _fill(ds, "gradient_accumulation_steps", cfg.grad_accum_steps, where)
+    _fill(ds, "gradient_clipping", cfg.grad_clip, where)
+    _fill(ds, "zero_optimization.stage", cfg.zero_stage, where)
+    _fill(ds, "bf16.enabled", precision == "bf16", where)
+    _fill(ds, "fp16.enabled", precision == "fp16", where)
+    ds.setdefault("optimizer", {"type": "AdamW", "params": {}})
+    _fill(ds, "optimizer.params.lr", cfg.lr, where)
+    _fill(ds, "optimizer.params.betas", [cfg.beta1, cfg.beta2], where)
+    _fill(ds, "optimizer.params.eps", 1e-8, where)
+    _fill(ds, "optimizer.params.weight_decay", cfg.weight_decay, where)
+    if not torch.cuda.is_available():
+        # FusedAdam would JIT-compile a CPU op; torch's AdamW is the same update and what FSDP users run
+        ds["optimizer"]["params"].setdefault("torch_adam", True)
+
+    # DeepSpeed's bucket defaults (5e8 elements, i.e. 2 GB in fp32) are sized for LLMs. Hugging Face's
+    # integration derives them from hidden_size; we do the same, with a 1M-element floor so that small
+    # models do not pay one collective per tensor.
+    zero = ds["zero_optimization"]
+    auto_sizes = {
+        "reduce_bucket_size": max(hidden_size * hidden_size, 2**20),
+        "allgather_bucket_size": max(hidden_size * hidden_size, 2**20),
+        "stage3_prefetch_bucket_size": int(0.9 * max(hidden_size * hidden_size, 2**20)),
+        "stage3_param_persistence_threshold": 10 * hidden_size,
+    }
+    for key, value in auto_sizes.items():
+        if zero.get(key) == "auto":
+            zero[key] = value
+    leftover = [k for k, v in _walk(ds) if v == "auto"]
+    if leftover:
+        raise ConfigError(f"{where} has \"auto\" fields this trainer cannot fill: {', '.join(leftover)}")
+    return ds
+
+
+def _walk(d: dict, prefix=""):
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from _walk(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim <= 1 or any(n in name for n in NO_DECAY_NAMES) else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def lr_schedule(cfg: Config):
+    """Multiplier of the peak lr after `step` optimizer steps: linear warm-up, then cosine to min_lr."""
+    floor = cfg.min_lr / cfg.lr
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def parallelize(model: torch.nn.Module, cfg: Config, ds_config: dict):
+    """Wrap the model; returns the DeepSpeed engine (its optimizer and LR scheduler inside).
+
+    Order matters and is fixed here: activation checkpointing is applied to the bare blocks first
+    (it must see the modules DeepSpeed will hook), torch.compile would come next, and DeepSpeed
+    goes last so that its ZeRO hooks wrap whatever the blocks have become.
+    """
+    import deepspeed  # heavy import, only once we train
+
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=param_groups(model, cfg.weight_decay),
+        config=ds_config,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_schedule(cfg)),
+    )
+    return engine

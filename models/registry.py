@@ -1,0 +1,86 @@
+"""Named ViT and Swin sizes, built from config with random init, or a local Hugging Face directory.
+
+Nothing is fetched from a hub: a name that is neither in the registry nor a local directory is an error.
+"""
+import os
+
+import torch
+from transformers import (AutoConfig, AutoImageProcessor, AutoModelForImageClassification, SwinConfig,
+                          SwinForImageClassification, ViTConfig, ViTForImageClassification, ViTImageProcessorPil)
+
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+# name: (hidden, depth, heads, mlp, patch). Sizes follow Dosovitskiy et al. 2021 (Ti/S from DeiT),
+# ViT-g/14 from Zhai et al. 2022 and ViT-22B from Dehghani et al. 2023 (its shape only: HF's ViT
+# block keeps the serial attention/MLP layout and biases).
+VIT_SIZES = {
+    "vit-debug": (32, 2, 2, 64, 2),  # the tiny model every integration test uses
+    "vit-digits": (96, 6, 4, 192, 2),  # the main job: small enough for 900 CPU steps in minutes
+    "vit-tiny": (192, 12, 3, 768, 16),
+    "vit-small": (384, 12, 6, 1536, 16),
+    "vit-base": (768, 12, 12, 3072, 16),
+    "vit-large": (1024, 24, 16, 4096, 16),
+    "vit-huge": (1280, 32, 16, 5120, 14),
+    "vit-giant": (1408, 40, 16, 6144, 14),
+    "vit-22b": (6144, 48, 48, 24576, 14),
+}
+# name: (embed_dim, depths, heads, window, patch), from Liu et al. 2021.
+SWIN_SIZES = {
+    "swin-debug": (16, (1, 1), (1, 2), 4, 2),
+    "swin-tiny": (96, (2, 2, 6, 2), (3, 6, 12, 24), 7, 4),
+    "swin-small": (96, (2, 2, 18, 2), (3, 6, 12, 24), 7, 4),
+    "swin-base": (128, (2, 2, 18, 2), (4, 8, 16, 32), 7, 4),
+    "swin-large": (192, (2, 2, 18, 2), (6, 12, 24, 48), 7, 4),
+}
+NAMES = (*VIT_SIZES, *SWIN_SIZES)
+
+
+def is_known(name: str) -> bool:
+    return name in NAMES or os.path.isfile(os.path.join(name, "config.json"))
+
+
+def model_config(name: str, num_labels: int, image_size: int, patch_size: int = 0, class_names=None):
+    """The transformers config for a registry name or a local directory (no weights touched)."""
+    labels = list(class_names) if class_names else [str(i) for i in range(num_labels)]
+    label_args = dict(num_labels=num_labels, id2label=dict(enumerate(labels)),
+                      label2id={n: i for i, n in enumerate(labels)})
+    if name in VIT_SIZES:
+        hidden, depth, heads, mlp, patch = VIT_SIZES[name]
+        return ViTConfig(hidden_size=hidden, num_hidden_layers=depth, num_attention_heads=heads,
+                         intermediate_size=mlp, image_size=image_size, patch_size=patch_size or patch,
+                         **label_args)
+    if name in SWIN_SIZES:
+        dim, depths, heads, window, patch = SWIN_SIZES[name]
+        return SwinConfig(embed_dim=dim, depths=list(depths), num_heads=list(heads), window_size=window,
+                          image_size=image_size, patch_size=patch_size or patch, **label_args)
+    if os.path.isfile(os.path.join(name, "config.json")):
+        overrides = dict(label_args, image_size=image_size)
+        if patch_size:
+            overrides["patch_size"] = patch_size
+        return AutoConfig.from_pretrained(name, **overrides)
+    raise ValueError(f"unknown model '{name}': not a registry name ({', '.join(NAMES)}) "
+                     f"nor a local directory holding config.json")
+
+
+def build_model(name: str, num_labels: int, image_size: int, patch_size: int = 0, class_names=None):
+    """(model, image_processor). Random init for registry names; weights for local directories.
+
+    The caller seeds torch first, so every rank builds the same initial weights.
+    """
+    config = model_config(name, num_labels, image_size, patch_size, class_names)
+    if name in NAMES:
+        cls = ViTForImageClassification if name in VIT_SIZES else SwinForImageClassification
+        model = cls(config)
+        mean, std = ((0.5,) * 3, (0.5,) * 3) if name in VIT_SIZES else (IMAGENET_MEAN, IMAGENET_STD)
+        processor = ViTImageProcessorPil(size={"height": image_size, "width": image_size},
+                                         image_mean=list(mean), image_std=list(std))
+        return model, processor
+    # a different label count re-initialises only the classifier head
+    model = AutoModelForImageClassification.from_pretrained(name, config=config, ignore_mismatched_sizes=True,
+                                                            dtype=torch.float32)
+    try:
+        processor = AutoImageProcessor.from_pretrained(name)
+        processor.size = {"height": image_size, "width": image_size}
+    except OSError:
+        processor = ViTImageProcessorPil(size={"height": image_size, "width": image_size})
+    return model, processor

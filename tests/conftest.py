@@ -1,0 +1,63 @@
+"""Shared fixtures: digits shards in a temp dir, a launcher for real multi-process runs, the debug run."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
+sys.path.insert(0, REPO)
+
+# The one tiny configuration every integration test trains (torchtitan's "debug model").
+DEBUG_ARGS = ["--image_size", "16", "--micro_batch_size", "16", "--max_steps", "120", "--warmup_steps", "10",
+              "--lr", "3e-3", "--eval_every", "60", "--save_every", "60", "--num_workers", "0",
+              "--shuffle_buffer", "200", "--progress", "false"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args, nproc=2, launcher="deepspeed", timeout=300, check=True):
+    """Run train.py as real processes: `deepspeed`, `torchrun`, `accelerate` or plain `python` (1 rank)."""
+    port = str(free_port())
+    if launcher == "deepspeed":
+        cmd = [f"{BIN}/deepspeed", "--num_gpus", str(nproc), "--master_port", port, "train.py"]
+    elif launcher == "torchrun":
+        cmd = [f"{BIN}/torchrun", "--nproc_per_node", str(nproc), "--master_port", port, "train.py"]
+    elif launcher == "accelerate":  # --multi_gpu is its torchrun path; with --cpu it would start one process
+        cmd = [f"{BIN}/accelerate", "launch", "--cpu", "--num_processes", str(nproc), "--num_machines", "1",
+               "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", port, "train.py"]
+    else:
+        cmd = [sys.executable, "train.py"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env.pop("RANK", None)
+    proc = subprocess.run(cmd + [str(a) for a in args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def read_metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="session")
+def digits(tmp_path_factory):
+    """Train/val shard specs of the bundled digits, written once per session."""
+    out = tmp_path_factory.mktemp("digits")
+    subprocess.run([sys.executable, "data/make_shards.py", "digits", str(out)], cwd=REPO, check=True,
+                   capture_output=True)
+    return {"train": f"{out}/train-{{000000..000003}}.tar", "val": f"{out}/val-000000.tar", "dir": str(out)}
+
+
+@pytest.fixture(scope="session")
+def debug_args(digits):
+    return DEBUG_ARGS + ["--train_shards", digits["train"], "--val_shards", digits["val"]]

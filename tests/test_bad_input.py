@@ -1,0 +1,62 @@
+"""Bad input: one line naming the problem, a non-zero exit before training, nothing left in output_dir."""
+import json
+import os
+
+import pytest
+from conftest import launch
+
+
+def bad_ds_config(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 999, "zero_optimization": {"stage": 2}}))
+    return path
+
+
+CASES = {
+    "unknown model": (lambda t, d: ["--model", "vit-nonexistent"], "unknown model 'vit-nonexistent'"),
+    "missing shards": (lambda t, d: ["--train_shards", f"{t}/nope-{{000000..000003}}.tar"], "4 of 4 shards not found"),
+    "empty shard spec": (lambda t, d: ["--val_shards", ""], "val_shards is empty"),
+    "empty shard file": (lambda t, d: ["--val_shards", (t / "empty.tar").__fspath__()], "empty shard file"),
+    "batch contradicts ds json": (lambda t, d: ["--zero_stage", "2", "--ds_config", bad_ds_config(t)],
+                                  "train_batch_size = 999 but micro_batch_size x grad_accum_steps x world size"),
+    "stage contradicts ds json": (lambda t, d: ["--zero_stage", "3", "--ds_config", "ds_configs/zero1.json"],
+                                  "zero_optimization.stage = 1 but the run config implies 3"),
+    "unknown key": (lambda t, d: ["--learning_rate", "0.1"], "unknown config key 'learning_rate'"),
+    "wrong type": (lambda t, d: ["--max_steps", "ten"], "'max_steps' expects int, got 'ten'"),
+    "bad choice": (lambda t, d: ["--zero_stage", "4"], "'zero_stage' must be one of (1, 2, 3)"),
+    "unwritable output_dir": (lambda t, d: ["--output_dir", f"{d['val']}/run"], "is not writable"),
+    "fp16 on cpu": (lambda t, d: ["--precision", "fp16"], "precision fp16 needs a GPU"),
+    "missing resume checkpoint": (lambda t, d: ["--resume", f"{t}/no-such-checkpoint"], "does not exist"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_fails_cleanly(case, debug_args, digits, tmp_path):
+    (tmp_path / "empty.tar").write_bytes(b"")
+    make_args, message = CASES[case]
+    out = tmp_path / "out"
+    args = debug_args + ["--output_dir", out] + make_args(tmp_path, digits)
+    proc = launch(args, launcher="python", check=False, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: ") and message in lines[-1], proc.stderr
+    assert sum(line.startswith("error: ") for line in lines) == 1
+    assert not out.exists()
+
+
+def test_existing_run_is_not_overwritten(debug_args, tmp_path):
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "latest").write_text("step0000010")
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    proc = launch(debug_args + ["--output_dir", out], launcher="python", check=False, timeout=60)
+    assert proc.returncode == 2 and "already holds a run" in proc.stderr
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_two_rank_launch_fails_cleanly(debug_args, tmp_path):
+    """Under the deepspeed launcher every rank stops; only rank 0 prints."""
+    proc = launch(debug_args + ["--output_dir", tmp_path / "out", "--model", "nope"], check=False, timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.count("error: unknown model 'nope'") + proc.stdout.count("error: unknown model 'nope'") == 1
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,54 @@
+import pytest
+from config import Config, ConfigError, parse
+
+
+def test_defaults_then_yaml_then_cli(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: swin-debug\nlr: 1\nzero_stage: 3\nmax_steps: 7\n")
+    cfg = parse(["--config", str(recipe), "--zero_stage", "1", "--lr=0.5", "--local_rank=1", "--progress", "false"])
+    assert cfg.model == "swin-debug"  # from the recipe
+    assert cfg.max_steps == 7
+    assert cfg.zero_stage == 1 and cfg.lr == 0.5  # the command line wins
+    assert isinstance(cfg.lr, float)
+    assert cfg.progress is False
+    assert cfg.micro_batch_size == Config().micro_batch_size  # untouched default
+
+
+def test_yaml_int_for_float_is_accepted_but_str_for_int_is_not(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("max_steps: '10'\n")
+    with pytest.raises(ConfigError, match="'max_steps' expects int"):
+        parse(["--config", str(recipe)])
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--nope", "1"], "unknown config key 'nope'"),
+    (["--precision", "fp8"], "must be one of"),
+    (["--progress", "maybe"], "expects true/false"),
+    (["--micro_batch_size", "0"], "must be positive"),
+    (["--lr"], "missing value for --lr"),
+    (["stray"], "expected --key value"),
+    (["--config", "/nonexistent.yaml"], "cannot read config file"),
+])
+def test_errors(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        parse(argv)
+
+
+def test_yaml_must_be_a_mapping(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        parse(["--config", str(recipe)])
+
+
+def test_shipped_recipes_parse():
+    import glob
+    import os
+
+    from conftest import REPO
+
+    recipes = glob.glob(os.path.join(REPO, "configs", "*.yaml"))
+    assert recipes
+    for recipe in recipes:
+        parse(["--config", recipe])

@@ -1,0 +1,67 @@
+import json
+
+import pytest
+from config import Config, ConfigError
+from models.parallelize import build_ds_config, lr_schedule, param_groups
+
+
+def test_auto_fields_come_from_the_run_config():
+    cfg = Config(zero_stage=3, micro_batch_size=8, grad_accum_steps=4, lr=1e-3, weight_decay=0.1, grad_clip=0.5)
+    ds = build_ds_config(cfg, hidden_size=1024, world_size=16, precision="bf16")
+    assert ds["train_batch_size"] == 8 * 4 * 16
+    assert ds["train_micro_batch_size_per_gpu"] == 8 and ds["gradient_accumulation_steps"] == 4
+    assert ds["gradient_clipping"] == 0.5
+    assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
+    assert ds["optimizer"]["params"]["lr"] == 1e-3 and ds["optimizer"]["params"]["weight_decay"] == 0.1
+    zero = ds["zero_optimization"]
+    assert zero["stage"] == 3
+    # Hugging Face's rule, from hidden_size rather than DeepSpeed's LLM-sized 5e8 defaults
+    assert zero["reduce_bucket_size"] == 1024 * 1024
+    assert zero["stage3_prefetch_bucket_size"] == int(0.9 * 1024 * 1024)
+    assert zero["stage3_param_persistence_threshold"] == 10 * 1024
+    assert "auto" not in json.dumps(ds)
+
+
+@pytest.mark.parametrize("template,message", [
+    ({"train_batch_size": 100}, "train_batch_size = 100 but"),
+    ({"train_micro_batch_size_per_gpu": 4}, "train_micro_batch_size_per_gpu = 4"),
+    ({"zero_optimization": {"stage": 1}}, "zero_optimization.stage = 1"),
+    ({"bf16": {"enabled": True}}, "bf16.enabled = True"),
+    ({"scheduler": {"type": "WarmupLR"}}, "has a 'scheduler'"),
+    ({"zero_optimization": {"stage": "auto", "offload_param": {"device": "auto"}}}, "cannot fill"),
+])
+def test_contradictions_are_errors(tmp_path, template, message):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(template))
+    with pytest.raises(ConfigError, match=message):
+        build_ds_config(Config(ds_config=str(path), zero_stage=2), 384, 2, "fp32")
+
+
+def test_agreeing_explicit_values_are_kept(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 64, "gradient_clipping": 1.0,
+                                "zero_optimization": {"stage": 2, "reduce_bucket_size": 12345}}))
+    ds = build_ds_config(Config(ds_config=str(path), zero_stage=2, micro_batch_size=32), 384, 2, "fp32")
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 12345
+
+
+def test_schedule_warms_up_linearly_then_decays_to_min_lr():
+    cfg = Config(lr=1e-3, min_lr=1e-5, warmup_steps=10, max_steps=100)
+    f = lr_schedule(cfg)
+    assert [f(s) for s in range(3)] == pytest.approx([0.1, 0.2, 0.3])
+    assert f(9) == pytest.approx(1.0) and f(10) == pytest.approx(1.0)
+    assert f(55) == pytest.approx(0.01 + 0.99 * 0.5)
+    assert f(100) == pytest.approx(0.01) and f(1000) == pytest.approx(0.01)
+
+
+def test_no_weight_decay_on_norms_biases_position_embeddings_and_class_token():
+    from models import build_model
+
+    model, _ = build_model("vit-debug", 10, 16)
+    decay, no_decay = param_groups(model, 0.05)
+    names = {id(p): n for n, p in model.named_parameters()}
+    no_decay_names = {names[id(p)] for p in no_decay["params"]}
+    assert "vit.embeddings.cls_token" in no_decay_names and "vit.embeddings.position_embeddings" in no_decay_names
+    assert all(p.ndim >= 2 for p in decay["params"])
+    assert any(n.endswith("layernorm_before.weight") for n in no_decay_names)
+    assert no_decay["weight_decay"] == 0.0 and decay["weight_decay"] == 0.05

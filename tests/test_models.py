@@ -1,0 +1,62 @@
+import pytest
+import torch
+from models import NAMES, build_model, find_blocks, model_config
+from transformers import AutoModelForImageClassification
+
+# (blocks, millions of parameters) at 224x224 with a 1000-class head: the papers' figures (ViT-22B: its
+# shape in HF's serial ViT block with biases, hence not exactly 21.7B)
+EXPECTED = {"vit-tiny": (12, 5.7), "vit-small": (12, 22.1), "vit-base": (12, 86.6), "vit-large": (24, 304.3),
+            "vit-huge": (32, 632.0), "vit-giant": (40, 1012.6), "vit-22b": (48, 21758.5), "swin-tiny": (12, 28.3),
+            "swin-small": (24, 49.6), "swin-base": (24, 87.8), "swin-large": (24, 196.5)}
+
+
+@pytest.mark.parametrize("name", EXPECTED)
+def test_registry_sizes_and_blocks(name):
+    with torch.device("meta"):  # shapes only: ViT-22B would need 87 GB
+        model = AutoModelForImageClassification.from_config(model_config(name, 1000, 224))
+    blocks, params = EXPECTED[name]
+    found = find_blocks(model)
+    assert len(found) == blocks
+    assert sum(p.numel() for p in model.parameters()) / 1e6 == pytest.approx(params, abs=0.05)
+    assert [b.index for b in found] == list(range(blocks))
+    if name.startswith("swin"):
+        assert sorted({b.stage for b in found}) == [0, 1, 2, 3]
+
+
+def test_blocks_are_the_repeated_attention_layers_not_the_stages():
+    model, _ = build_model("swin-debug", 10, 16)
+    names = [type(b.module).__name__ for b in find_blocks(model)]
+    assert names == ["SwinLayer", "SwinLayer"]
+    model, _ = build_model("vit-debug", 10, 16)
+    assert [type(b.module).__name__ for b in find_blocks(model)] == ["ViTLayer", "ViTLayer"]
+
+
+def test_same_seed_same_weights():
+    torch.manual_seed(0)
+    a, _ = build_model("vit-debug", 10, 16)
+    torch.manual_seed(0)
+    b, _ = build_model("vit-debug", 10, 16)
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert p.equal(q), n
+
+
+def test_local_directory_with_new_head(tmp_path):
+    model, processor = build_model("vit-debug", 10, 16, class_names=[str(i) for i in range(10)])
+    model.save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+    loaded, loaded_processor = build_model(str(tmp_path), 3, 16)
+    assert loaded.config.num_labels == 3 and loaded.classifier.out_features == 3
+    assert loaded.vit.embeddings.patch_embeddings.projection.weight.equal(
+        model.vit.embeddings.patch_embeddings.projection.weight)
+    assert loaded_processor.size == {"height": 16, "width": 16}
+
+
+def test_unknown_name():
+    with pytest.raises(ValueError, match="unknown model 'vit-colossal'"):
+        build_model("vit-colossal", 10, 16)
+
+
+def test_every_registry_name_is_listed_in_the_error():
+    with pytest.raises(ValueError) as e:
+        model_config("x", 10, 16)
+    assert all(n in str(e.value) for n in NAMES)

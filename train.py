@@ -1,0 +1,275 @@
+"""Train a Hugging Face ViT or Swin image classifier with DeepSpeed ZeRO stage 1, 2 or 3.
+
+    deepspeed --num_gpus 2 train.py --config configs/digits-vit.yaml    # CPU: 2 ranks, gloo; GPU: NCCL
+    deepspeed train.py --config configs/imagenet-vit-b.yaml                # all GPUs of this node
+    torchrun --nproc_per_node 2 train.py --zero_stage 3
+    accelerate launch --num_processes 2 train.py --model swin-debug
+    python train.py --max_steps 20                                         # one rank
+
+Every config key, its default and meaning is in config.py; `--key value` overrides the recipe.
+The run directory receives config.yaml, ds_config.json, metrics.jsonl, TensorBoard events (tb/),
+DeepSpeed checkpoints (checkpoints/) and, at the end, hf_model/ for `transformers.pipeline`.
+"""
+import json
+import logging
+import os
+import resource
+import shutil
+import socket
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import yaml
+
+from config import Config, ConfigError, parse, to_dict
+from data.loader import DataError, class_names, eval_loader, expand_shards, make_transform, train_loader
+from models import build_model, is_known, model_config
+from models.parallelize import build_ds_config, parallelize, resolve_precision
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def dist_env():
+    """(rank, world_size, local_rank, local_world_size) as the launcher set them; one rank without one."""
+    if "RANK" not in os.environ:  # plain `python train.py`
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    local_world = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or "1"  # torchrun / deepspeed
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"]), int(local_world)
+
+
+def check_run(cfg: Config, world_size: int, rank: int):
+    """Every check on the input that can fail, before anything is written or any process group forms."""
+    train_urls = expand_shards(cfg.train_shards, "train_shards")
+    val_urls = expand_shards(cfg.val_shards, "val_shards")
+    if not is_known(cfg.model):
+        model_config(cfg.model, cfg.num_labels, cfg.image_size)  # raises the message that lists the names
+    names = class_names(train_urls)
+    if names is not None and len(names) != cfg.num_labels:
+        raise ConfigError(f"num_labels is {cfg.num_labels} but the train shards' _info.json lists {len(names)} classes")
+    hidden = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size).hidden_size
+    precision = resolve_precision(cfg.precision)
+    ds_config = build_ds_config(cfg, hidden, world_size, precision)
+
+    ckpt_dir = os.path.join(cfg.output_dir, "checkpoints")
+    if cfg.resume not in ("", "latest") and not os.path.isdir(cfg.resume):
+        raise ConfigError(f"resume: checkpoint directory '{cfg.resume}' does not exist")
+    if not cfg.resume and os.path.exists(os.path.join(ckpt_dir, "latest")):
+        raise ConfigError(f"output_dir '{cfg.output_dir}' already holds a run: continue it with --resume latest "
+                          f"or choose another output_dir")
+    if rank == 0:  # probe writability last, so a failure above leaves no directory behind
+        existed = os.path.isdir(cfg.output_dir)
+        try:
+            os.makedirs(cfg.output_dir, exist_ok=True)
+            probe = os.path.join(cfg.output_dir, ".write-test")
+            open(probe, "w").close()
+            os.remove(probe)
+        except OSError as e:
+            if not existed and os.path.isdir(cfg.output_dir):
+                shutil.rmtree(cfg.output_dir, ignore_errors=True)
+            raise ConfigError(f"output_dir '{cfg.output_dir}' is not writable: {e.strerror}") from None
+    return train_urls, val_urls, names, precision, ds_config
+
+
+@torch.no_grad()
+def evaluate(engine, loader, dtype, device):
+    """(top-1, top-5) over the whole validation set, reduced over ranks."""
+    engine.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # correct@1, correct@5, count
+    batches, dummy = iter(loader), None
+    while True:
+        batch = next(batches, None)
+        # ZeRO-3 gathers parameters inside each forward, so every rank must run as many forwards as
+        # the others: a rank that ran out of data joins with a dummy batch until all are done.
+        more = torch.tensor([batch is not None], dtype=torch.int32, device=device)
+        dist.all_reduce(more, op=dist.ReduceOp.MAX)
+        if not more.item():
+            break
+        if batch is None:
+            engine(dummy)
+            continue
+        images, labels = batch[0].to(device, dtype), batch[1].to(device)
+        dummy = images[:1]
+        logits = engine(images).logits.float()  # (B, num_labels)
+        top = logits.topk(min(5, logits.shape[-1]), dim=-1).indices
+        hits = top == labels[:, None]
+        totals += torch.stack([hits[:, 0].sum(), hits.any(-1).sum(), torch.tensor(len(labels))]).to(totals)
+    dist.all_reduce(totals)
+    engine.train()
+    return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
+
+
+def peak_memory_bytes() -> int:
+    """GPU: the allocator's peak. CPU: the process's peak resident set (no allocator statistics there)."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def export_hf_model(engine, processor, out_dir: str, rank: int):
+    """A Hugging Face directory `pipeline("image-classification", model=out_dir)` loads."""
+    if engine.zero_optimization_partition_weights():  # ZeRO-3: gather one layer at a time onto rank 0
+        state_dict = engine._zero3_consolidated_16bit_state_dict()
+    else:
+        state_dict = engine.module.state_dict()
+    if rank == 0:
+        engine.module.save_pretrained(out_dir, state_dict=state_dict)
+        processor.save_pretrained(out_dir)
+    dist.barrier()
+
+
+def main(argv=None):
+    # ------------------------------------------------------------------ setup
+    rank, world_size, local_rank, local_world = dist_env()
+    try:
+        cfg = parse(argv)
+        train_urls, val_urls, names, precision, ds_config = check_run(cfg, world_size, rank)
+    except (ConfigError, DataError, ValueError) as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if "OMP_NUM_THREADS" not in os.environ:  # cores / ranks on this node, as on every benchmark here
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    warnings.filterwarnings("ignore", message=r".*torch\.distributed\..* is deprecated")
+
+    import deepspeed  # after the checks: bad input fails in a second, not after DeepSpeed's import
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    deepspeed.init_distributed()  # NCCL on GPUs; gloo on DeepSpeed's CPU accelerator
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dtype = DTYPES[precision]
+    ckpt_dir = os.path.join(cfg.output_dir, "checkpoints")
+
+    # ------------------------------------------------------------------ model
+    torch.manual_seed(cfg.seed)  # same initial weights on every rank
+    model, processor = build_model(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size, names)
+    n_params = sum(p.numel() for p in model.parameters())
+    engine = parallelize(model, cfg, ds_config)
+
+    # ------------------------------------------------------------------ resume
+    start_step = 0
+    if cfg.resume:
+        load_dir, tag = ckpt_dir, None
+        if cfg.resume != "latest":
+            is_tag = not os.path.isfile(os.path.join(cfg.resume, "latest"))
+            load_dir, tag = (os.path.dirname(cfg.resume.rstrip("/")), os.path.basename(cfg.resume.rstrip("/"))) \
+                if is_tag else (cfg.resume, None)
+        if cfg.resume == "latest" and not os.path.isfile(os.path.join(ckpt_dir, "latest")):
+            if rank == 0:
+                print(f"resume: no checkpoint in {ckpt_dir} yet, starting from step 0")
+        else:
+            path, client_state = engine.load_checkpoint(load_dir, tag=tag)
+            if path is None:
+                raise SystemExit(f"error: could not load a checkpoint from {cfg.resume}")
+            start_step = client_state["step"]
+            if rank == 0:
+                print(f"resumed from {path} at step {start_step}")
+
+    # ------------------------------------------------------------------ data
+    transform = make_transform(processor)
+    # a resumed run draws a fresh stream (seeded by the step) rather than replaying the first batches
+    train_batches = iter(train_loader(train_urls, transform, cfg.micro_batch_size, cfg.num_workers,
+                                      cfg.shuffle_buffer, seed=cfg.seed * 1_000_003 + start_step))
+    val_data = eval_loader(val_urls, transform, cfg.micro_batch_size, dist.get_rank(), world_size)
+
+    # ------------------------------------------------------------------ run directory and logging
+    images_per_step = cfg.micro_batch_size * cfg.grad_accum_steps * world_size
+    metrics_file = writer = None
+    if rank == 0:
+        with open(os.path.join(cfg.output_dir, "config.yaml"), "w") as f:
+            yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+        with open(os.path.join(cfg.output_dir, "ds_config.json"), "w") as f:
+            json.dump(ds_config, f, indent=2)
+        metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
+        if os.path.exists(metrics_path):  # drop records past the checkpoint we resumed from
+            with open(metrics_path) as f:
+                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= start_step]
+            with open(metrics_path, "w") as f:
+                f.writelines(kept)
+        metrics_file = open(metrics_path, "a")
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(os.path.join(cfg.output_dir, "tb"), purge_step=start_step + 1)
+        print(f"{cfg.model}: {n_params / 1e6:.2f}M params | ZeRO-{cfg.zero_stage} | {precision} | "
+              f"world size {world_size} ({device.type}) | global batch {images_per_step} = {cfg.micro_batch_size} "
+              f"micro x {cfg.grad_accum_steps} accum x {world_size} ranks | steps {start_step}->{cfg.max_steps}")
+
+    def log(record: dict):
+        if rank == 0:
+            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.flush()
+            for key, value in record.items():
+                if key != "step" and value is not None:
+                    writer.add_scalar(("val/" if key.startswith("val_") else "train/") + key, value, record["step"])
+
+    # ------------------------------------------------------------------ training loop
+    from tqdm import tqdm
+
+    bar = tqdm(total=cfg.max_steps, initial=start_step, disable=rank != 0 or not cfg.progress, dynamic_ncols=True,
+               mininterval=1.0 if sys.stderr.isatty() else 30.0)
+    top1 = top5 = None
+    timed_images, timed_seconds, run_start = 0, 0.0, time.perf_counter()
+    for step in range(start_step + 1, cfg.max_steps + 1):
+        step_start, data_wait = time.perf_counter(), 0.0
+        lr = engine.get_lr()[0]
+        loss_sum = torch.zeros((), device=device)
+        for _ in range(cfg.grad_accum_steps):
+            wait_start = time.perf_counter()
+            images, labels = next(train_batches)
+            data_wait += time.perf_counter() - wait_start
+            images, labels = images.to(device, dtype, non_blocking=True), labels.to(device, non_blocking=True)
+            logits = engine(images).logits.float()  # (B, num_labels)
+            loss = F.cross_entropy(logits, labels, label_smoothing=cfg.label_smoothing)
+            engine.backward(loss)  # DeepSpeed divides by grad_accum_steps
+            engine.step()  # optimizer and LR schedule advance only at the accumulation boundary
+            loss_sum += loss.detach()
+        dist.all_reduce(loss_sum)  # also synchronises, so the step time below is complete
+        step_loss = loss_sum.item() / (cfg.grad_accum_steps * world_size)
+        step_seconds = time.perf_counter() - step_start
+        if step > start_step + 1:  # the first step pays for buffer allocation and worker start-up
+            timed_images, timed_seconds = timed_images + images_per_step, timed_seconds + step_seconds
+        grad_norm = engine.get_global_grad_norm()
+        record = {"step": step, "loss": step_loss, "lr": lr,
+                  "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                  "images_per_sec": images_per_step / step_seconds, "data_wait_frac": data_wait / step_seconds,
+                  "peak_mem_bytes": peak_memory_bytes()}
+
+        if step == cfg.max_steps or (cfg.eval_every and step % cfg.eval_every == 0):
+            top1, top5 = evaluate(engine, val_data, dtype, device)
+            record.update(val_top1=top1, val_top5=top5)
+            if rank == 0:
+                bar.write(f"step {step}: val top-1 {top1:.2%} top-5 {top5:.2%}")
+        log(record)
+        bar.set_postfix(loss=f"{step_loss:.4f}", img_s=f"{record['images_per_sec']:.0f}", refresh=False)
+        bar.update()
+
+        # -------------------------------------------------------------- checkpoint
+        if step == cfg.max_steps or (cfg.save_every and step % cfg.save_every == 0):
+            engine.save_checkpoint(ckpt_dir, tag=f"step{step:07d}", client_state={"step": step})
+    bar.close()
+    if top1 is None:  # resumed at max_steps: nothing left to train, still report the model's accuracy
+        top1, top5 = evaluate(engine, val_data, dtype, device)
+
+    # ------------------------------------------------------------------ export and summary
+    hf_dir = os.path.join(cfg.output_dir, "hf_model")
+    export_hf_model(engine, processor, hf_dir, rank)
+    if rank == 0:
+        metrics_file.close()
+        writer.close()
+        throughput = timed_images / timed_seconds if timed_seconds else float("nan")
+        minutes, seconds = divmod(int(time.perf_counter() - run_start), 60)
+        print(f"done: val top-1 {top1:.2%} (top-5 {top5:.2%}) | {throughput:.0f} images/s | "
+              f"{cfg.max_steps - start_step} steps in {minutes}m{seconds:02d}s | model saved to {hf_dir}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
