@@ -40,7 +40,7 @@ class Config:
     beta1: float = 0.9  # AdamW beta1
     beta2: float = 0.999  # AdamW beta2
     grad_clip: float = 1.0  # clip the global gradient norm to this; 0 = off
-    label_smoothing: float = 0.0  # cross-entropy label smoothing
+    label_smoothing: float = 0.1  # cross-entropy label smoothing (DeiT's 0.1)
     warmup_steps: int = 50  # linear warm-up from 0 to lr, in optimizer steps
     max_steps: int = 900  # optimizer steps in the whole run (also the length of the cosine schedule)
     # evaluation, logging, checkpoints

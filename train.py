@@ -264,9 +264,9 @@ def main(argv=None):
     if rank == 0:
         metrics_file.close()
         writer.close()
-        throughput = timed_images / timed_seconds if timed_seconds else float("nan")
+        throughput = f"{timed_images / timed_seconds:.0f}" if timed_seconds else "n/a"
         minutes, seconds = divmod(int(time.perf_counter() - run_start), 60)
-        print(f"done: val top-1 {top1:.2%} (top-5 {top5:.2%}) | {throughput:.0f} images/s | "
+        print(f"done: val top-1 {top1:.2%} (top-5 {top5:.2%}) | {throughput} images/s | "
               f"{cfg.max_steps - start_step} steps in {minutes}m{seconds:02d}s | model saved to {hf_dir}")
     dist.destroy_process_group()
 
