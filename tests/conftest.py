@@ -31,7 +31,7 @@ def launch(args, nproc=2, launcher="deepspeed", timeout=300, check=True):
     elif launcher == "torchrun":
         cmd = [f"{BIN}/torchrun", "--nproc_per_node", str(nproc), "--master_port", port, "train.py"]
     elif launcher == "accelerate":  # --multi_gpu is its torchrun path; with --cpu it would start one process
-        cmd = [f"{BIN}/accelerate", "launch", "--cpu", "--num_processes", str(nproc), "--num_machines", "1",
+        cmd = [f"{BIN}/accelerate", "launch", "--multi_gpu", "--num_processes", str(nproc), "--num_machines", "1",
                "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", port, "train.py"]
     else:
         cmd = [sys.executable, "train.py"]
