@@ -25,8 +25,15 @@ class Config:
     # data
     train_shards: str = "data/digits/train-{000000..000003}.tar"  # WebDataset shard spec (brace pattern)
     val_shards: str = "data/digits/val-000000.tar"  # WebDataset shard spec for evaluation
+    data_mode: str = "epoch"  # epoch: each sample once per epoch | resampled: shards drawn with replacement (many nodes)
     num_workers: int = 1  # DataLoader worker processes per rank for training data
-    shuffle_buffer: int = 1000  # samples held in the shuffle buffer per worker
+    shuffle_buffer: int = 1000  # raw samples per shuffle block, per worker (memory: this many encoded images)
+    crop_scale_min: float = 1.0  # random resized crop's smallest area fraction; 1.0 = plain resize (ImageNet: 0.08)
+    hflip: float = 0.0  # horizontal flip probability (ImageNet: 0.5; digits: 0, a flipped 2 is no 2)
+    randaug_n: int = 0  # RandAugment ops per image; 0 = off (ImageNet: 2)
+    randaug_m: int = 9  # RandAugment magnitude, 0..10
+    mixup: float = 0.0  # Mixup alpha; 0 = off (DeiT: 0.8)
+    cutmix: float = 0.0  # CutMix alpha; 0 = off (DeiT: 1.0); with both set, each batch uses one at random
     # parallelism and precision
     zero_stage: int = 2  # DeepSpeed ZeRO stage: 1 (optimizer states), 2 (+gradients), 3 (+parameters)
     ds_config: str = ""  # DeepSpeed JSON template; "" = ds_configs/zero{zero_stage}.json. Its "auto" fields come from this config
@@ -53,7 +60,7 @@ class Config:
 
 
 KEYS = {f.name: f for f in dataclasses.fields(Config)}
-CHOICES = {"zero_stage": (1, 2, 3), "precision": ("fp32", "bf16", "fp16", "auto")}
+CHOICES = {"zero_stage": (1, 2, 3), "precision": ("fp32", "bf16", "fp16", "auto"), "data_mode": ("epoch", "resampled")}
 
 
 def _coerce(key: str, value, from_cli: bool):
@@ -138,9 +145,12 @@ def _check(cfg: Config):
     for key in positive:
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"config key '{key}' must be positive, got {getattr(cfg, key)}")
-    for key in ("patch_size", "num_workers", "warmup_steps", "eval_every", "save_every", "grad_clip", "weight_decay"):
+    for key in ("patch_size", "num_workers", "warmup_steps", "eval_every", "save_every", "grad_clip", "weight_decay",
+                "randaug_n", "mixup", "cutmix"):
         if getattr(cfg, key) < 0:
             raise ConfigError(f"config key '{key}' must be >= 0, got {getattr(cfg, key)}")
+    if not 0 < cfg.crop_scale_min <= 1 or not 0 <= cfg.hflip <= 1 or not 0 <= cfg.randaug_m <= 10:
+        raise ConfigError("crop_scale_min must be in (0, 1], hflip in [0, 1] and randaug_m in [0, 10]")
     if cfg.lr <= 0:
         raise ConfigError(f"config key 'lr' must be positive, got {cfg.lr}")
     if not cfg.output_dir:

@@ -26,7 +26,9 @@ import torch.nn.functional as F
 import yaml
 
 from config import Config, ConfigError, parse, to_dict
-from data.loader import DataError, class_names, eval_loader, expand_shards, make_transform, train_loader
+from data.loader import ShardStream, TrainLoader, eval_batches, resume_state
+from data.shards import DataError, parse_spec
+from data.transforms import EvalTransform, TrainTransform, mix_batch
 from models import build_model, is_known, model_config
 from models.parallelize import build_ds_config, parallelize, resolve_precision
 
@@ -46,11 +48,11 @@ def dist_env():
 
 def check_run(cfg: Config, world_size: int, rank: int):
     """Every check on the input that can fail, before anything is written or any process group forms."""
-    train_urls = expand_shards(cfg.train_shards, "train_shards")
-    val_urls = expand_shards(cfg.val_shards, "val_shards")
+    train_sources = parse_spec(cfg.train_shards, "train_shards")
+    val_sources = parse_spec(cfg.val_shards, "val_shards")
     if not is_known(cfg.model):
         model_config(cfg.model, cfg.num_labels, cfg.image_size)  # raises the message that lists the names
-    names = class_names(train_urls)
+    names = train_sources[0].class_names
     if names is not None and len(names) != cfg.num_labels:
         raise ConfigError(f"num_labels is {cfg.num_labels} but the train shards' _info.json lists {len(names)} classes")
     hidden = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size).hidden_size
@@ -74,7 +76,7 @@ def check_run(cfg: Config, world_size: int, rank: int):
             if not existed and os.path.isdir(cfg.output_dir):
                 shutil.rmtree(cfg.output_dir, ignore_errors=True)
             raise ConfigError(f"output_dir '{cfg.output_dir}' is not writable: {e.strerror}") from None
-    return train_urls, val_urls, names, precision, ds_config
+    return train_sources, val_sources, names, precision, ds_config
 
 
 @torch.no_grad()
@@ -129,7 +131,7 @@ def main(argv=None):
     rank, world_size, local_rank, local_world = dist_env()
     try:
         cfg = parse(argv)
-        train_urls, val_urls, names, precision, ds_config = check_run(cfg, world_size, rank)
+        train_sources, val_sources, names, precision, ds_config = check_run(cfg, world_size, rank)
     except (ConfigError, DataError, ValueError) as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
@@ -155,7 +157,7 @@ def main(argv=None):
     engine = parallelize(model, cfg, ds_config)
 
     # ------------------------------------------------------------------ resume
-    start_step = 0
+    start_step, data_state = 0, None
     if cfg.resume:
         load_dir, tag = ckpt_dir, None
         if cfg.resume != "latest":
@@ -170,15 +172,25 @@ def main(argv=None):
             if path is None:
                 raise SystemExit(f"error: could not load a checkpoint from {cfg.resume}")
             start_step = client_state["step"]
+            data_file = os.path.join(os.path.dirname(path), f"data_state_rank{rank:05d}.json")
+            saved = json.load(open(data_file)) if os.path.isfile(data_file) else None
+            data_state, why_not = resume_state(saved, cfg.data_mode, cfg.seed, world_size, cfg.num_workers,
+                                               cfg.micro_batch_size, cfg.shuffle_buffer)
             if rank == 0:
-                print(f"resumed from {path} at step {start_step}")
+                print(f"resumed from {path} at step {start_step}" + (
+                    "" if data_state else f"; data order restarts ({why_not})"))
 
     # ------------------------------------------------------------------ data
-    transform = make_transform(processor)
-    # a resumed run draws a fresh stream (seeded by the step) rather than replaying the first batches
-    train_batches = iter(train_loader(train_urls, transform, cfg.micro_batch_size, cfg.num_workers,
-                                      cfg.shuffle_buffer, seed=cfg.seed * 1_000_003 + start_step))
-    val_data = eval_loader(val_urls, transform, cfg.micro_batch_size, dist.get_rank(), world_size)
+    # Every rank and worker reads its own deterministic slice; a checkpoint's data position makes a resumed
+    # run read exactly what the uninterrupted run would have read next.
+    train_stream = ShardStream(
+        train_sources, mode=cfg.data_mode, rank=rank, world_size=world_size, num_workers=cfg.num_workers,
+        micro_batch_size=cfg.micro_batch_size, shuffle_buffer=cfg.shuffle_buffer,
+        seed=cfg.seed if data_state or not start_step else cfg.seed * 1_000_003 + start_step,
+        transform=TrainTransform(processor, cfg.crop_scale_min, cfg.hflip, cfg.randaug_n, cfg.randaug_m),
+        state=data_state)
+    train_batches = TrainLoader(train_stream, cfg.num_workers)
+    val_data = lambda: eval_batches(val_sources, EvalTransform(processor), cfg.micro_batch_size, rank, world_size)
 
     # ------------------------------------------------------------------ run directory and logging
     images_per_step = cfg.micro_batch_size * cfg.grad_accum_steps * world_size
@@ -198,9 +210,11 @@ def main(argv=None):
         from torch.utils.tensorboard import SummaryWriter
 
         writer = SummaryWriter(os.path.join(cfg.output_dir, "tb"), purge_step=start_step + 1)
+        per_epoch = train_stream.batches_per_rank_epoch()
         print(f"{cfg.model}: {n_params / 1e6:.2f}M params | ZeRO-{cfg.zero_stage} | {precision} | "
               f"world size {world_size} ({device.type}) | global batch {images_per_step} = {cfg.micro_batch_size} "
-              f"micro x {cfg.grad_accum_steps} accum x {world_size} ranks | steps {start_step}->{cfg.max_steps}")
+              f"micro x {cfg.grad_accum_steps} accum x {world_size} ranks | steps {start_step}->{cfg.max_steps} | "
+              f"data {cfg.data_mode}" + (f", {per_epoch // cfg.grad_accum_steps} steps per epoch" if per_epoch else ""))
 
     def log(record: dict):
         if rank == 0:
@@ -208,7 +222,8 @@ def main(argv=None):
             metrics_file.flush()
             for key, value in record.items():
                 if key != "step" and value is not None:
-                    writer.add_scalar(("val/" if key.startswith("val_") else "train/") + key, value, record["step"])
+                    tag = key if "/" in key else ("val/" if key.startswith("val_") else "train/") + key
+                    writer.add_scalar(tag, value, record["step"])
 
     # ------------------------------------------------------------------ training loop
     from tqdm import tqdm
@@ -217,22 +232,27 @@ def main(argv=None):
                mininterval=1.0 if sys.stderr.isatty() else 30.0)
     top1 = top5 = None
     timed_images, timed_seconds, run_start = 0, 0.0, time.perf_counter()
+    data_totals = torch.zeros(2, dtype=torch.float64, device=device)  # samples skipped, padded: all ranks
     for step in range(start_step + 1, cfg.max_steps + 1):
         step_start, data_wait = time.perf_counter(), 0.0
         lr = engine.get_lr()[0]
-        loss_sum = torch.zeros((), device=device)
-        for _ in range(cfg.grad_accum_steps):
+        sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, skipped, padded
+        for micro in range(cfg.grad_accum_steps):
             wait_start = time.perf_counter()
-            images, labels = next(train_batches)
+            images, labels, meta = next(train_batches)
             data_wait += time.perf_counter() - wait_start
-            images, labels = images.to(device, dtype, non_blocking=True), labels.to(device, non_blocking=True)
-            logits = engine(images).logits.float()  # (B, num_labels)
-            loss = F.cross_entropy(logits, labels, label_smoothing=cfg.label_smoothing)
+            images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+            mix_rng = torch.Generator().manual_seed(hash((cfg.seed, rank, step, micro)) % 2**63)
+            images, targets = mix_batch(images, labels, cfg.num_labels, cfg.mixup, cfg.cutmix, mix_rng)
+            logits = engine(images.to(dtype)).logits.float()  # (B, num_labels)
+            loss = F.cross_entropy(logits, targets, label_smoothing=cfg.label_smoothing)
             engine.backward(loss)  # DeepSpeed divides by grad_accum_steps
             engine.step()  # optimizer and LR schedule advance only at the accumulation boundary
-            loss_sum += loss.detach()
-        dist.all_reduce(loss_sum)  # also synchronises, so the step time below is complete
-        step_loss = loss_sum.item() / (cfg.grad_accum_steps * world_size)
+            sums += torch.stack([loss.detach().double(), torch.tensor(meta["skipped"], dtype=torch.float64,
+                                 device=device), torch.tensor(meta["padded"], dtype=torch.float64, device=device)])
+        dist.all_reduce(sums)  # also synchronises, so the step time below is complete
+        step_loss = sums[0].item() / (cfg.grad_accum_steps * world_size)
+        data_totals += sums[1:]
         step_seconds = time.perf_counter() - step_start
         if step > start_step + 1:  # the first step pays for buffer allocation and worker start-up
             timed_images, timed_seconds = timed_images + images_per_step, timed_seconds + step_seconds
@@ -240,10 +260,13 @@ def main(argv=None):
         record = {"step": step, "loss": step_loss, "lr": lr,
                   "grad_norm": float(grad_norm) if grad_norm is not None else None,
                   "images_per_sec": images_per_step / step_seconds, "data_wait_frac": data_wait / step_seconds,
-                  "peak_mem_bytes": peak_memory_bytes()}
+                  "peak_mem_bytes": peak_memory_bytes(), "data/skipped": int(data_totals[0]),
+                  "data/padded": int(data_totals[1])}
+        if per_epoch := train_stream.batches_per_rank_epoch():
+            record["data/epoch"] = train_batches.state["batches"] / per_epoch
 
         if step == cfg.max_steps or (cfg.eval_every and step % cfg.eval_every == 0):
-            top1, top5 = evaluate(engine, val_data, dtype, device)
+            top1, top5 = evaluate(engine, val_data(), dtype, device)
             record.update(val_top1=top1, val_top5=top5)
             if rank == 0:
                 bar.write(f"step {step}: val top-1 {top1:.2%} top-5 {top5:.2%}")
@@ -253,10 +276,15 @@ def main(argv=None):
 
         # -------------------------------------------------------------- checkpoint
         if step == cfg.max_steps or (cfg.save_every and step % cfg.save_every == 0):
-            engine.save_checkpoint(ckpt_dir, tag=f"step{step:07d}", client_state={"step": step})
+            tag = f"step{step:07d}"
+            os.makedirs(os.path.join(ckpt_dir, tag), exist_ok=True)
+            # written before DeepSpeed moves `latest`, so a checkpoint that `latest` names has its data position
+            with open(os.path.join(ckpt_dir, tag, f"data_state_rank{rank:05d}.json"), "w") as f:
+                json.dump(train_batches.state_dict(), f)
+            engine.save_checkpoint(ckpt_dir, tag=tag, client_state={"step": step})
     bar.close()
     if top1 is None:  # resumed at max_steps: nothing left to train, still report the model's accuracy
-        top1, top5 = evaluate(engine, val_data, dtype, device)
+        top1, top5 = evaluate(engine, val_data(), dtype, device)
 
     # ------------------------------------------------------------------ export and summary
     hf_dir = os.path.join(cfg.output_dir, "hf_model")

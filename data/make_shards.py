@@ -1,77 +1,222 @@
 """Write WebDataset tar shards: OUT/{split}-%06d.tar plus OUT/_info.json.
 
-    python data/make_shards.py digits data/digits            # scikit-learn's bundled 8x8 digits
+    python data/make_shards.py digits data/digits                       # scikit-learn's bundled 8x8 digits
+    python data/make_shards.py ~/imagenet/train data/in1k --split train --shard-size 1000
+    python data/make_shards.py ~/flowers data/flowers --val-fraction 0.1  # image folder -> train + val
+    python data/make_shards.py ~/hf_saved data/x --image-column img --label-column label   # save_to_disk
+    python data/make_shards.py ~/parquet_dir data/x                      # a folder of parquet files
 
-Each sample holds `__key__`, the image bytes (`png` here), `cls` (the label as text) and `txt`
-(the class name). `_info.json` records sample counts per split and per shard and the class names.
+SRC is `digits`, an image folder with one sub-folder per class (ImageNet layout), a Hugging Face
+`datasets` dataset saved with `save_to_disk`, or a folder of parquet files. Each sample holds
+`__key__`, the image bytes as they came (`jpg`/`png`/`webp`; re-encoded only with --resize or
+--format), `cls` (label index as text) and `txt` (class name). `_info.json` records the sample
+counts per split and per shard and the class names, in the layout timm's WebDataset reader reads.
+Unreadable images are skipped, counted and listed at the end; they never stop the run.
 """
 import argparse
 import io
 import json
+import multiprocessing as mp
 import os
+import random
 import sys
 
-import numpy as np
 import webdataset as wds
 from PIL import Image
+from tqdm import tqdm
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+FORMAT_EXT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
+EXT_FORMAT = {"jpg": "JPEG", "png": "PNG", "webp": "WEBP"}
 
 
-def digits_samples(seed: int, val_fraction: float):
-    """{split: [(key, png bytes, label)]} from scikit-learn's bundled digits, with a fixed seeded split."""
+# ---------------------------------------------------------------- sources: (key, payload, label) items
+def digits_items():
+    """scikit-learn's digits as 8-bit grey PNGs; class names are the digits."""
+    import numpy as np
     from sklearn.datasets import load_digits
 
     digits = load_digits()
     images = np.round(digits.images * (255.0 / 16.0)).astype(np.uint8)  # 0..16 ink levels -> 8-bit grey
-    order = np.random.default_rng(seed).permutation(len(images))
-    n_val = int(round(len(images) * val_fraction))
-    splits = {"train": order[n_val:], "val": order[:n_val]}
-    out = {}
-    for split, idx in splits.items():
-        samples = []
-        for i in idx:
-            buf = io.BytesIO()
-            Image.fromarray(images[i], mode="L").save(buf, format="PNG")
-            samples.append((f"digits_{i:05d}", buf.getvalue(), int(digits.target[i])))
-        out[split] = samples
-    return out, [str(c) for c in digits.target_names]
+    items = []
+    for i, (image, label) in enumerate(zip(images, digits.target)):
+        buf = io.BytesIO()
+        Image.fromarray(image, mode="L").save(buf, format="PNG")
+        items.append((f"digits_{i:05d}", buf.getvalue(), int(label)))
+    return items, [str(c) for c in digits.target_names]
 
 
-def write_split(out_dir: str, split: str, samples, class_names, shard_size: int, image_ext: str = "png"):
-    """Write one split's shards; returns its `_info.json` entry."""
+def folder_items(root: str):
+    """ImageNet layout: root/<class>/<image>; classes sorted by name, as torchvision's ImageFolder does."""
+    classes = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
+    if not classes:
+        raise SystemExit(f"error: '{root}' has no class sub-folders")
+    items = []
+    for label, name in enumerate(classes):
+        for dirpath, _, files in sorted(os.walk(os.path.join(root, name))):
+            for f in sorted(files):
+                if f.lower().endswith(IMAGE_SUFFIXES):
+                    path = os.path.join(dirpath, f)
+                    key = os.path.splitext(os.path.relpath(path, root))[0].replace("/", "_").replace(".", "_")
+                    items.append((key, path, label))  # a path: read in the worker processes
+    return items, classes
+
+
+def hf_items(src: str, image_column: str, label_column: str):
+    """A `save_to_disk` directory or a folder of parquet files, images kept as their stored bytes."""
+    import datasets
+
+    if os.path.isfile(os.path.join(src, "dataset_info.json")) or os.path.isfile(os.path.join(src, "state.json")):
+        ds = datasets.load_from_disk(src)
+    else:
+        files = sorted(os.path.join(src, f) for f in os.listdir(src) if f.endswith(".parquet"))
+        if not files:
+            raise SystemExit(f"error: '{src}' holds neither a save_to_disk dataset nor parquet files")
+        ds = datasets.load_dataset("parquet", data_files=files, split="train")
+    if isinstance(ds, datasets.DatasetDict):
+        raise SystemExit(f"error: '{src}' holds several splits ({', '.join(ds)}): point at one of them")
+    for column in (image_column, label_column):
+        if column not in ds.column_names:
+            raise SystemExit(f"error: column '{column}' not in {ds.column_names} (see --image-column/--label-column)")
+    feature = ds.features[label_column]
+    names = list(feature.names) if isinstance(feature, datasets.ClassLabel) else None
+    if isinstance(ds.features[image_column], datasets.Image):
+        ds = ds.cast_column(image_column, datasets.Image(decode=False))  # bytes as stored, no decode here
+    items = []
+    for i, row in enumerate(ds.select_columns([image_column, label_column])):
+        image = row[image_column]
+        payload = image.get("bytes") if isinstance(image, dict) else image
+        if payload is None and isinstance(image, dict) and image.get("path"):
+            payload = image["path"]
+        items.append((f"{i:08d}", payload, row[label_column]))
+    if names is None:
+        labels = sorted({label for _, _, label in items if label is not None}, key=str)
+        names = [str(label) for label in labels]
+        index = {label: i for i, label in enumerate(labels)}
+        items = [(k, p, index.get(label)) for k, p, label in items]
+    return items, names
+
+
+# ---------------------------------------------------------------- per-item work, in worker processes
+def encode(item, resize: int, fmt: str):
+    """(key, ext, bytes, label, None) or (key, None, None, None, reason) for an unreadable item."""
+    key, payload, label = item
+    try:
+        if label is None or not isinstance(label, int) or label < 0:
+            raise ValueError(f"missing or malformed label {label!r}")
+        data = payload if isinstance(payload, (bytes, bytearray)) else open(payload, "rb").read()
+        with Image.open(io.BytesIO(data)) as img:
+            img.load()  # decodes fully: catches truncated and corrupt files, not just bad headers
+            source_format = img.format
+            if resize or fmt or source_format not in FORMAT_EXT:
+                out_format = EXT_FORMAT[fmt] if fmt else FORMAT_EXT.get(source_format, "PNG")
+                if resize:
+                    scale = resize / min(img.size)  # shorter side to `resize`, aspect kept
+                    img = img.resize((max(1, round(img.width * scale)), max(1, round(img.height * scale))),
+                                     Image.BICUBIC)
+                if out_format == "JPEG" and img.mode not in ("RGB", "L"):
+                    img = img.convert("RGB")
+                buf = io.BytesIO()
+                img.save(buf, format=out_format, quality=90) if out_format == "JPEG" else img.save(buf, format=out_format)
+                data, source_format = buf.getvalue(), out_format
+        return key, FORMAT_EXT[source_format], bytes(data), label, None
+    except Exception as e:  # any unreadable input is reported, never fatal
+        return key, None, None, None, f"{type(e).__name__}: {e}"
+
+
+def _encode_star(args):
+    return encode(*args)
+
+
+def write_split(out_dir: str, split: str, items, class_names, shard_size: int, resize: int, fmt: str,
+                workers: int, bad: list):
+    """Write one split's shards in item order; returns its `_info.json` entry."""
     pattern = os.path.join(out_dir, f"{split}-%06d.tar")
     lengths = []
-    with wds.ShardWriter(pattern, maxcount=shard_size, verbose=0) as sink:
-        for key, image, label in samples:
-            sink.write({"__key__": key, image_ext: image, "cls": str(label), "txt": class_names[label]})
+    jobs = ((item, resize, fmt) for item in items)
+    with mp.Pool(workers) if workers > 1 else _Serial() as pool, \
+            wds.ShardWriter(pattern, maxcount=shard_size, verbose=0) as sink:
+        results = pool.imap(_encode_star, jobs, chunksize=16)
+        for key, ext, data, label, error in tqdm(results, total=len(items), desc=f"{split} shards", unit="img",
+                                                 disable=not sys.stderr.isatty()):
+            if error:
+                bad.append((key, error))
+                continue
+            sink.write({"__key__": key, ext: data, "cls": str(label), "txt": class_names[label]})
             if sink.count == 1:
                 lengths.append(0)
             lengths[-1] += 1
     names = [os.path.basename(pattern % i) for i in range(len(lengths))]
-    return {"num_samples": sum(lengths), "filenames": names, "shard_lengths": lengths}
+    return {"name": split, "num_samples": sum(lengths), "filenames": names, "shard_lengths": lengths}
+
+
+class _Serial:
+    """Pool stand-in for --workers 1."""
+
+    def imap(self, fn, iterable, chunksize=1):
+        return map(fn, iterable)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("src", help="'digits' (the bundled default)")
+    ap.add_argument("src", help="'digits', an image folder, a save_to_disk directory or a folder of parquet files")
     ap.add_argument("out", help="output directory")
-    ap.add_argument("--shard-size", type=int, default=400, help="samples per shard")
-    ap.add_argument("--val-fraction", type=float, default=0.2, help="held-out fraction for the val split")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
+    ap.add_argument("--shard-size", type=int, default=400, help="samples per shard (default 400)")
+    ap.add_argument("--split", default=None, help="write everything as this split (default: train + val)")
+    ap.add_argument("--val-fraction", type=float, default=0.2, help="held-out fraction when splitting (default 0.2)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the shuffle and train/val split")
+    ap.add_argument("--resize", type=int, default=0, help="re-encode with the shorter side at this many pixels")
+    ap.add_argument("--format", choices=sorted(EXT_FORMAT), default=None, help="re-encode to this format")
+    ap.add_argument("--image-column", default="image", help="image column of a Hugging Face dataset")
+    ap.add_argument("--label-column", default="label", help="label column of a Hugging Face dataset")
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="encoding processes")
     args = ap.parse_args(argv)
-    if args.src != "digits":
-        sys.exit(f"error: unsupported source '{args.src}' (supported: digits)")
 
-    splits, class_names = digits_samples(args.seed, args.val_fraction)
+    if args.src == "digits":
+        items, class_names, name = *digits_items(), "digits"
+    elif not os.path.isdir(args.src):
+        sys.exit(f"error: source '{args.src}' is neither 'digits' nor a directory")
+    elif any(f.endswith((".arrow", ".parquet", ".json")) for f in os.listdir(args.src)):
+        items, class_names, name = *hf_items(args.src, args.image_column, args.label_column), os.path.basename(
+            os.path.normpath(args.src))
+    else:
+        items, class_names, name = *folder_items(args.src), os.path.basename(os.path.normpath(args.src))
+    if not items:
+        sys.exit(f"error: no images found in '{args.src}'")
+
+    random.Random(args.seed).shuffle(items)  # shards hold a mix of classes, so any shard is a fair sample
+    if args.split:
+        splits = {args.split: items}
+    else:
+        n_val = int(round(len(items) * args.val_fraction))
+        splits = {"train": items[n_val:], "val": items[:n_val]}
     os.makedirs(args.out, exist_ok=True)
-    info = {"name": "digits", "num_classes": len(class_names), "class_names": class_names, "splits": {}}
-    for split, samples in splits.items():
-        info["splits"][split] = write_split(args.out, split, samples, class_names, args.shard_size)
-    tmp = os.path.join(args.out, "_info.json.tmp")
+    info_path = os.path.join(args.out, "_info.json")
+    info = {"name": name, "num_classes": len(class_names), "class_names": class_names, "splits": {}}
+    if args.split and os.path.isfile(info_path):  # adding a split to an existing output keeps the others
+        with open(info_path) as f:
+            info["splits"] = json.load(f).get("splits", {})
+    bad = []
+    for split, split_items in splits.items():
+        info["splits"][split] = write_split(args.out, split, split_items, class_names, args.shard_size,
+                                            args.resize, args.format, args.workers, bad)
+    tmp = info_path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(info, f, indent=1)
-    os.replace(tmp, os.path.join(args.out, "_info.json"))  # written last: its presence means the shards are whole
-    for split, s in info["splits"].items():
+    os.replace(tmp, info_path)  # written last: its presence means the shards are whole
+    for split in splits:
+        s = info["splits"][split]
         print(f"{split}: {s['num_samples']} samples in {len(s['filenames'])} shards -> {args.out}/{split}-*.tar")
+    if bad:
+        print(f"skipped {len(bad)} unreadable items:")
+        for key, error in bad:
+            print(f"  {key}: {error}")
 
 
 if __name__ == "__main__":

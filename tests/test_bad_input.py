@@ -25,6 +25,8 @@ CASES = {
     "wrong type": (lambda t, d: ["--max_steps", "ten"], "'max_steps' expects int, got 'ten'"),
     "bad choice": (lambda t, d: ["--zero_stage", "4"], "'zero_stage' must be one of (1, 2, 3)"),
     "unwritable output_dir": (lambda t, d: ["--output_dir", f"{d['val']}/run"], "is not writable"),
+    "dead url": (lambda t, d: ["--train_shards", "http://127.0.0.1:9/train-{000000..000001}.tar"],
+                 "cannot open 2 of 2 URLs"),
     "fp16 on cpu": (lambda t, d: ["--precision", "fp16"], "precision fp16 needs a GPU"),
     "missing resume checkpoint": (lambda t, d: ["--resume", f"{t}/no-such-checkpoint"], "does not exist"),
 }

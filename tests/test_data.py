@@ -1,49 +1,295 @@
-"""The first reader: shard checks and evaluation coverage."""
+"""The data pipeline: shard writer, streaming reader, bad data, exact resume, remote sources."""
+import collections
+import functools
+import http.server
+import io
 import json
 import os
+import random
+import subprocess
+import sys
+import tarfile
+import threading
 
+import numpy as np
 import pytest
 import torch
-from data.loader import DataError, class_names, eval_loader, expand_shards, make_transform, train_loader
+from conftest import REPO
+from data.loader import ShardStream, TrainLoader, eval_batches
+from data.shards import DataError, parse_spec
+from data.transforms import EvalTransform, TrainTransform, mix_batch
 from models import build_model
+from PIL import Image
+
+PROCESSOR = build_model("vit-debug", 10, 16)[1]
 
 
-def test_shards_and_info(digits):
+def png(value: int, size=8) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.full((size, size), value, np.uint8), mode="L").save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def write_shard(path, samples, truncate_to=None):
+    """samples: (key, {ext: bytes}); optionally cut the file to `truncate_to` bytes, as a failed upload would."""
+    with tarfile.open(path, "w") as tar:
+        for key, fields in samples:
+            for ext, data in fields.items():
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    if truncate_to is not None:
+        with open(path, "r+b") as f:
+            f.truncate(truncate_to)
+
+
+def make_shards(root, n_shards, per_shard, prefix="train", key_prefix="s"):
+    """Synthetic shards with unique keys, and the `_info.json` that gives their counts."""
+    names = []
+    for s in range(n_shards):
+        name = f"{prefix}-{s:06d}.tar"
+        write_shard(root / name, [(f"{key_prefix}{s}_{i:03d}", {"png": png(i % 250), "cls": str(i % 10).encode()})
+                                  for i in range(per_shard)])
+        names.append(name)
+    info = {"class_names": [str(i) for i in range(10)],
+            "splits": {prefix: {"name": prefix, "num_samples": n_shards * per_shard, "filenames": names,
+                                "shard_lengths": [per_shard] * n_shards}}}
+    (root / "_info.json").write_text(json.dumps(info))
+    return f"{root}/{prefix}-{{000000..{n_shards - 1:06d}}}.tar"
+
+
+def read_epoch(spec, world_size, num_workers, mbs, mode="epoch", batches=None, state=None, block=16, seed=0):
+    """{rank: [keys of each batch]} read through real DataLoader worker processes."""
+    sources = parse_spec(spec, "train_shards")
+    out = {}
+    for rank in range(world_size):
+        ds = ShardStream(sources, mode=mode, rank=rank, world_size=world_size, num_workers=num_workers,
+                         micro_batch_size=mbs, shuffle_buffer=block, seed=seed,
+                         transform=TrainTransform(PROCESSOR, 1.0, 0.0, 0), state=state and state[rank])
+        loader = TrainLoader(ds, num_workers)
+        n = batches if batches is not None else ds.batches_per_rank_epoch()
+        out[rank] = ([next(loader)[2]["keys"] for _ in range(n)], loader)
+    return out
+
+
+# ---------------------------------------------------------------- writer
+def run_writer(*args):
+    proc = subprocess.run([sys.executable, "data/make_shards.py", *map(str, args)], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def read_tar(path):
+    samples = collections.defaultdict(dict)
+    with tarfile.open(path) as tar:
+        for m in tar.getmembers():
+            key, ext = m.name.split(".", 1)
+            samples[key][ext] = tar.extractfile(m).read()
+    return samples
+
+
+def test_writer_digits(digits):
     with open(os.path.join(digits["dir"], "_info.json")) as f:
         info = json.load(f)
-    assert info["splits"]["train"]["num_samples"] + info["splits"]["val"]["num_samples"] == 1797
-    assert sum(info["splits"]["train"]["shard_lengths"]) == info["splits"]["train"]["num_samples"]
-    urls = expand_shards(digits["train"], "train_shards")
-    assert len(urls) == len(info["splits"]["train"]["filenames"]) == 4
-    assert class_names(urls) == [str(i) for i in range(10)]
+    train, val = info["splits"]["train"], info["splits"]["val"]
+    assert train["num_samples"] + val["num_samples"] == 1797 and val["num_samples"] == 359
+    assert sum(train["shard_lengths"]) == train["num_samples"] and train["name"] == "train"
+    keys = set()
+    for name in train["filenames"] + val["filenames"]:
+        samples = read_tar(os.path.join(digits["dir"], name))
+        assert all(set(s) == {"png", "cls", "txt"} and s["cls"] == s["txt"] for s in samples.values())
+        keys |= samples.keys()
+    assert len(keys) == 1797  # every image once, none in both splits
 
 
+def test_writer_image_folder_keeps_bytes_and_skips_corrupt(tmp_path):
+    rng = np.random.default_rng(0)
+    originals = {}
+    for c in ("cat", "dog"):
+        (tmp_path / "src" / c).mkdir(parents=True)
+        for i in range(5):
+            path = tmp_path / "src" / c / f"{i}.{'jpg' if i % 2 else 'png'}"
+            Image.fromarray(rng.integers(0, 255, (12, 20, 3), dtype=np.uint8)).save(path)
+            originals[f"{c}_{i}"] = path.read_bytes()
+    (tmp_path / "src" / "dog" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 truncated")
+    out = run_writer(tmp_path / "src", tmp_path / "out", "--split", "train", "--shard-size", "4", "--workers", "2")
+    assert "skipped 1 unreadable items" in out and "dog_broken" in out
+    info = json.loads((tmp_path / "out" / "_info.json").read_text())
+    assert info["class_names"] == ["cat", "dog"]
+    assert info["splits"]["train"]["shard_lengths"] == [4, 4, 2]
+    samples = {}
+    for name in info["splits"]["train"]["filenames"]:
+        samples.update(read_tar(tmp_path / "out" / name))
+    assert samples.keys() == originals.keys()
+    for key, s in samples.items():
+        ext = "jpg" if int(key[-1]) % 2 else "png"
+        assert s[ext] == originals[key]  # bytes as they came, not re-encoded
+        assert int(s["cls"]) == (key.startswith("dog")) and s["txt"].decode() == key.split("_")[0]
+
+    run_writer(tmp_path / "src", tmp_path / "small", "--split", "train", "--resize", "6", "--format", "webp")
+    sample = next(iter(read_tar(tmp_path / "small" / "train-000000.tar").values()))
+    assert min(Image.open(io.BytesIO(sample["webp"])).size) == 6
+
+
+@pytest.mark.parametrize("layout", ["save_to_disk", "parquet"])
+def test_writer_hugging_face_dataset(tmp_path, layout):
+    import datasets
+
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)) for _ in range(8)]
+    features = datasets.Features({"img": datasets.Image(), "y": datasets.ClassLabel(names=["a", "b", "c"])})
+    ds = datasets.Dataset.from_dict({"img": images, "y": [0, 1, 2, 0, 1, 2, 0, 1]}, features=features)
+    src = tmp_path / "src"
+    if layout == "save_to_disk":
+        ds.save_to_disk(str(src))
+    else:
+        src.mkdir()
+        ds.to_parquet(str(src / "part-0.parquet"))
+    run_writer(src, tmp_path / "out", "--image-column", "img", "--label-column", "y", "--val-fraction", "0.25")
+    info = json.loads((tmp_path / "out" / "_info.json").read_text())
+    assert info["splits"]["train"]["num_samples"] == 6 and info["splits"]["val"]["num_samples"] == 2
+    labels = collections.Counter()
+    for split in ("train", "val"):
+        for s in read_tar(tmp_path / "out" / f"{split}-000000.tar").values():
+            labels[s["txt"].decode()] += 1
+            assert info["class_names"][int(s["cls"])] == s["txt"].decode()
+    assert labels == {"a": 3, "b": 3, "c": 2}
+
+
+# ---------------------------------------------------------------- reader: coverage and equal batches
+@pytest.mark.parametrize("n_shards,per_shard", [(4, 48), (3, 64)])  # (3, 64): fewer shards than 4 consumers
+def test_epoch_covers_every_sample_once_with_equal_batches(tmp_path, n_shards, per_shard):
+    spec = make_shards(tmp_path, n_shards, per_shard)
+    epoch = read_epoch(spec, world_size=2, num_workers=2, mbs=8)
+    counts = {rank: len(batches) for rank, (batches, _) in epoch.items()}
+    assert len(set(counts.values())) == 1, counts
+    keys = [k for batches, _ in epoch.values() for b in batches for k in b]
+    assert len(keys) == len(set(keys)) == n_shards * per_shard
+    # the next epoch is a different order of the same samples
+    two = read_epoch(spec, world_size=2, num_workers=2, mbs=8, batches=2 * counts[0])
+    second = [k for batches, _ in two.values() for b in batches[counts[0]:] for k in b]
+    assert sorted(second) == sorted(keys) and second != keys
+
+
+def test_bad_data_is_skipped_counted_and_batches_stay_equal(tmp_path):
+    good = lambda s, i: (f"s{s}_{i:03d}", {"png": png(i), "cls": str(i % 10).encode()})
+    write_shard(tmp_path / "train-000000.tar", [good(0, i) for i in range(40)])
+    write_shard(tmp_path / "train-000001.tar", [good(1, i) for i in range(30)] + [
+        ("bad_image", {"png": b"\x89PNG not an image", "cls": b"1"}),
+        ("no_label", {"png": png(1)}),
+        ("bad_label", {"png": png(1), "cls": b"seven"}),
+    ] + [good(1, i) for i in range(30, 37)])
+    write_shard(tmp_path / "train-000002.tar", [good(2, i) for i in range(40)])
+    with open(tmp_path / "train-000002.tar", "r+b") as f:  # cut mid-member, as a failed upload leaves it
+        f.truncate(os.path.getsize(tmp_path / "train-000002.tar") // 2 + 100)
+    info = {"splits": {"train": {"filenames": [f"train-00000{i}.tar" for i in range(3)],
+                                 "shard_lengths": [40, 40, 40]}}}
+    (tmp_path / "_info.json").write_text(json.dumps(info))
+
+    epoch = read_epoch(f"{tmp_path}/train-{{000000..000002}}.tar", world_size=2, num_workers=2, mbs=4)
+    counts = [len(batches) for batches, _ in epoch.values()]
+    assert counts[0] == counts[1] == 14  # 120 slots / 4 consumers = 30 -> 7 batches of 4 per worker
+    keys = [k for batches, _ in epoch.values() for batch in batches for k in batch]
+    assert not {"bad_image", "no_label", "bad_label"} & set(keys)
+    assert all(k.startswith(("s0_", "s1_", "s2_")) for k in keys)
+    assert len({k for k in keys if k.startswith("s2_")}) <= 25  # the truncated shard lost about half its samples
+    skipped = sum(loader.skipped for _, loader in epoch.values())
+    padded = sum(loader.padded for _, loader in epoch.values())
+    assert skipped >= 3 and len(keys) - padded == len(set(keys))  # at most once, unless padded (counted)
+
+
+def test_missing_pattern_and_dead_url_are_one_clear_error(tmp_path):
+    with pytest.raises(DataError, match="4 of 4 shards not found"):
+        parse_spec(f"{tmp_path}/x-{{0..3}}.tar", "train_shards")
+    with pytest.raises(DataError, match="is empty"):
+        parse_spec("", "val_shards")
+    with pytest.raises(DataError, match=r"cannot open 1 of 1 URLs, e.g. http://127.0.0.1:9/x.tar"):
+        parse_spec("http://127.0.0.1:9/x.tar", "train_shards")
+
+
+# ---------------------------------------------------------------- exact resume
+@pytest.mark.parametrize("mode", ["epoch", "resampled"])
+@pytest.mark.parametrize("stop_after", [5, 13])  # 13 batches: past the end of the first epoch (12 per rank)
+def test_resume_reads_exactly_what_the_uninterrupted_run_reads(tmp_path, mode, stop_after):
+    spec = make_shards(tmp_path, 3, 64)  # 192 samples / 4 consumers / 8 = 6 batches per worker, 12 per rank
+    total = 20
+    full = read_epoch(spec, 2, 2, 8, mode=mode, batches=total)
+    part = read_epoch(spec, 2, 2, 8, mode=mode, batches=stop_after)
+    states = {rank: loader.state_dict() for rank, (_, loader) in part.items()}
+    states = {rank: {"batches": s["batches"], "workers": s["workers"]} for rank, s in states.items()}
+    rest = read_epoch(spec, 2, 2, 8, mode=mode, batches=total - stop_after, state=states)
+    for rank in range(2):
+        assert part[rank][0] + rest[rank][0] == full[rank][0]
+    assert full[0][0] != full[1][0]
+
+
+def test_resampled_mixes_sources_by_weight(tmp_path):
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    a = make_shards(tmp_path / "a", 2, 50, prefix="a", key_prefix="a")
+    b = make_shards(tmp_path / "b", 2, 50, prefix="b", key_prefix="b")
+    read = read_epoch(f"{a}@3 + {b}@1", world_size=1, num_workers=1, mbs=50, mode="resampled", batches=40)
+    keys = [k for batch in read[0][0] for k in batch]
+    assert len(keys) == 2000
+    assert 0.72 < sum(k.startswith("a") for k in keys) / len(keys) < 0.78  # weight 3:1
+
+
+def test_epoch_mode_rejects_weights(tmp_path):
+    spec = make_shards(tmp_path, 2, 16)
+    with pytest.raises(DataError, match="resampled"):
+        read_epoch(f"{spec}@2", 1, 1, 4)
+
+
+# ---------------------------------------------------------------- remote sources
+@pytest.fixture
+def http_server(tmp_path):
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    handler.log_message = lambda *a: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_http_and_pipe_sources_stream_the_same_samples(tmp_path, http_server):
+    spec = make_shards(tmp_path, 3, 32)
+    local = read_epoch(spec, 2, 2, 8)
+    remote = read_epoch(f"{http_server}/train-{{000000..000002}}.tar", 2, 2, 8)  # _info.json over http too
+    piped = parse_spec(f"pipe:cat {tmp_path}/train-{{000000..000002}}.tar", "train_shards")
+    assert piped[0].counts is None  # no _info.json for pipes: counted by reading
+    with pytest.warns(UserWarning, match="counting samples"):
+        through_pipe = read_epoch(f"pipe:cat {tmp_path}/train-{{000000..000002}}.tar", 2, 2, 8)
+    for rank in range(2):
+        assert remote[rank][0] == local[rank][0] == through_pipe[rank][0]
+
+
+# ---------------------------------------------------------------- evaluation and transforms
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_eval_covers_every_sample_once(digits, world_size):
-    _, processor = build_model("vit-debug", 10, 16)
-    urls = expand_shards(digits["val"], "val_shards")
+    sources = parse_spec(digits["val"], "val_shards")
     labels = []
     for rank in range(world_size):
-        for images, y in eval_loader(urls, make_transform(processor), 64, rank, world_size):
+        for images, y in eval_batches(sources, EvalTransform(PROCESSOR), 64, rank, world_size):
             assert images.shape[1:] == (3, 16, 16)
             labels.append(y)
     assert len(torch.cat(labels)) == 359
 
 
-def test_train_stream_is_seeded(digits):
-    _, processor = build_model("vit-debug", 10, 16)
-    urls = expand_shards(digits["train"], "train_shards")
-
-    def first_labels(seed):
-        batches = iter(train_loader(urls, make_transform(processor), 16, 0, 100, seed))
-        return torch.cat([next(batches)[1] for _ in range(3)])
-
-    assert first_labels(1).equal(first_labels(1))
-    assert not first_labels(1).equal(first_labels(2))
+def test_train_transform_is_seeded_and_changes_the_image():
+    img = Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 60, 3), dtype=np.uint8))
+    t = TrainTransform(PROCESSOR, 0.08, 0.5, 2, 9)
+    a, b = t(img, random.Random("k")), t(img, random.Random("k"))
+    assert a.shape == (3, 16, 16) and a.equal(b)
+    assert not a.equal(t(img, random.Random("other")))
+    assert not a.equal(EvalTransform(PROCESSOR)(img))
 
 
-def test_missing_and_empty(tmp_path):
-    with pytest.raises(DataError, match="not found"):
-        expand_shards(str(tmp_path / "x-{0..2}.tar"), "train_shards")
-    with pytest.raises(DataError, match="is empty"):
-        expand_shards("", "val_shards")
+@pytest.mark.parametrize("mixup,cutmix", [(0.8, 0.0), (0.0, 1.0), (0.8, 1.0)])
+def test_mix_batch_soft_targets(mixup, cutmix):
+    images, labels = torch.randn(8, 3, 16, 16), torch.arange(8) % 10
+    mixed, targets = mix_batch(images, labels, 10, mixup, cutmix, torch.Generator().manual_seed(0))
+    assert mixed.shape == images.shape and targets.shape == (8, 10)
+    torch.testing.assert_close(targets.sum(-1), torch.ones(8))
+    assert (targets.max(-1).values < 1).any()  # something was mixed
+    plain, one_hot = mix_batch(images, labels, 10, 0.0, 0.0, None)
+    assert plain is images and one_hot.argmax(-1).equal(labels)

@@ -1,4 +1,4 @@
-"""Checkpoint and resume under ZeRO-3: the step, the LR schedule and the weights carry over."""
+"""Checkpoint and resume under ZeRO-3: the step, the LR schedule, the weights and the data position carry over."""
 import os
 
 import pytest
@@ -6,30 +6,41 @@ from conftest import launch, read_metrics
 from safetensors.torch import load_file
 
 
-def test_resume_continues_at_next_step(debug_args, tmp_path):
-    args = debug_args + ["--model", "vit-debug", "--zero_stage", "3", "--max_steps", "20", "--save_every", "10",
-                         "--eval_every", "0"]
+def test_resume_continues_exactly(debug_args, tmp_path):
+    # 2 ranks x 2 workers x 32 images: 22 steps per epoch, so the resumed stretch 16-30 crosses an epoch
+    args = debug_args + ["--model", "vit-debug", "--zero_stage", "3", "--max_steps", "30", "--save_every", "15",
+                         "--eval_every", "0", "--num_workers", "2", "--micro_batch_size", "32"]
     full = tmp_path / "full"
-    launch(args + ["--output_dir", full])
+    proc = launch(args + ["--output_dir", full])
+    assert "22 steps per epoch" in proc.stdout
     full_records = {r["step"]: r for r in read_metrics(full)}
 
-    # continue from the step-10 checkpoint of that run in a fresh directory
+    # continue from the step-15 checkpoint of that run in a fresh directory
     resumed = tmp_path / "resumed"
-    proc = launch(args + ["--output_dir", resumed, "--resume", full / "checkpoints" / "step0000010"])
-    assert "at step 10" in proc.stdout
+    proc = launch(args + ["--output_dir", resumed, "--resume", full / "checkpoints" / "step0000015"])
+    assert "at step 15" in proc.stdout and "data order restarts" not in proc.stdout
     records = read_metrics(resumed)
-    assert [r["step"] for r in records] == list(range(11, 21))
-    for r in records:  # same schedule position as the uninterrupted run
+    assert [r["step"] for r in records] == list(range(16, 31))
+    for r in records:  # same weights, optimizer state, schedule position and samples: the same numbers
         assert r["lr"] == pytest.approx(full_records[r["step"]]["lr"], rel=1e-12)
-    assert records[0]["loss"] < full_records[1]["loss"]  # trained weights, not a fresh init
+        assert r["loss"] == full_records[r["step"]]["loss"], r["step"]
 
     # `resume: latest` in the finished run's own directory: nothing left to train, same weights exported
     before = load_file(full / "hf_model" / "model.safetensors")
     os.remove(full / "hf_model" / "model.safetensors")
     proc = launch(args + ["--output_dir", full, "--resume", "latest"])
-    assert "at step 20" in proc.stdout and "done:" in proc.stdout
+    assert "at step 30" in proc.stdout and "done:" in proc.stdout
     after = load_file(full / "hf_model" / "model.safetensors")
     assert before.keys() == after.keys()
     for name in before:
         assert before[name].equal(after[name]), name
-    assert [r["step"] for r in read_metrics(full)] == list(range(1, 21))
+    assert [r["step"] for r in read_metrics(full)] == list(range(1, 31))
+
+
+def test_changed_data_layout_restarts_the_data_order_and_says_so(debug_args, tmp_path):
+    args = debug_args + ["--model", "vit-debug", "--max_steps", "4", "--save_every", "2", "--eval_every", "0"]
+    launch(args + ["--output_dir", tmp_path / "a"], launcher="python")
+    proc = launch(args + ["--output_dir", tmp_path / "b", "--resume", tmp_path / "a" / "checkpoints" / "step0000002",
+                          "--num_workers", "2"], launcher="python")
+    assert "data order restarts (the data layout changed (num_workers 1 -> 2))" in proc.stdout
+    assert [r["step"] for r in read_metrics(tmp_path / "b")] == [3, 4]

@@ -38,10 +38,11 @@ def test_zero_stages_agree(stage_runs, model):
     """Same seed, same data: ZeRO 1/2/3 differ only in where states live, so the losses match."""
     losses = {s: np.array([r["loss"] for r in read_metrics(stage_runs[model, s])]) for s in STAGES}
     np.testing.assert_array_equal(losses[1], losses[2])  # same reduction order: bitwise
-    # ZeRO-3 reduces in another order: ~1e-7 differences appear after a few steps and stay below 1e-6 for
-    # the first 40 steps. Later, Adam's normalised updates amplify them (measured on the debug ViT: 2e-3
-    # to 3e-2 relative by step 70-100), so later steps are compared only through test_loss_decreases.
-    np.testing.assert_allclose(losses[3][:40], losses[1][:40], rtol=1e-6)
+    # ZeRO-3 reduces in another order: differences of one fp32 rounding (~5e-8 relative, measured) appear
+    # within a few steps. Adam's normalised updates later amplify them (measured on the debug ViT: 1e-5 by
+    # step 40, 2e-3 to 3e-2 by steps 70-100, depending on the data order), so only the first 20 steps are
+    # held to 1e-6; later steps are checked through test_loss_decreases.
+    np.testing.assert_allclose(losses[3][:20], losses[1][:20], rtol=1e-6)
 
 
 def test_golden_losses(stage_runs):

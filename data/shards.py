@@ -1,0 +1,134 @@
+"""Shard specs and sample streams: where tar bytes come from and how raw samples come out of them.
+
+A spec is one or more sources joined by " + ", each a WebDataset brace pattern with an optional
+"@weight" suffix (weights are for `resampled` mode):
+
+    data/in1k/train-{000000..001023}.tar
+    http://host/laion-{000000..009999}.tar@0.7 + pipe:aws s3 cp s3://b/cc12m-{0000..2175}.tar -@0.3
+"""
+import json
+import os
+import re
+import subprocess
+import tarfile
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from webdataset.shardlists import expand_urls
+from webdataset.tariterators import group_by_keys, tar_file_iterator
+
+
+class DataError(ValueError):
+    """A spec that matches nothing or a URL that cannot be opened: one line before training starts."""
+
+
+@dataclass
+class Source:
+    urls: list  # expanded shard URLs
+    weight: float  # sampling weight in resampled mode
+    counts: list  # samples per shard from _info.json, or None when unknown
+    class_names: list  # from _info.json, or None
+
+
+def is_remote(url: str) -> bool:
+    return url.startswith(("http://", "https://", "pipe:"))
+
+
+def _fetch_info(first_url: str):
+    """The `_info.json` beside a shard (local or http), or None."""
+    if first_url.startswith("pipe:"):
+        return None
+    path = first_url.rsplit("/", 1)[0] + "/_info.json" if "/" in first_url else "_info.json"
+    try:
+        if first_url.startswith(("http://", "https://")):
+            with urllib.request.urlopen(path, timeout=30) as r:
+                return json.load(r)
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError, urllib.error.URLError):
+        return None
+
+
+def _check_urls(urls: list, spec: str, what: str):
+    local = [u for u in urls if not is_remote(u)]
+    missing = [u for u in local if not os.path.isfile(u)]
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise DataError(f"{what} '{spec}': {len(missing)} of {len(urls)} shards not found ({shown})")
+    empty = [u for u in local if os.path.getsize(u) == 0]
+    if empty:
+        raise DataError(f"{what} '{spec}': empty shard file {empty[0]}")
+    http = [u for u in urls if u.startswith(("http://", "https://"))]
+
+    def probe(url):
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=30):
+                return None
+        except (urllib.error.URLError, OSError) as e:
+            return f"{url} ({getattr(e, 'reason', e)})"
+
+    with ThreadPoolExecutor(16) as pool:
+        failed = [f for f in pool.map(probe, http) if f]
+    if failed:
+        raise DataError(f"{what} '{spec}': cannot open {len(failed)} of {len(http)} URLs, e.g. {failed[0]}")
+
+
+def parse_spec(spec: str, what: str) -> list[Source]:
+    """Sources of a spec; local files must exist and be non-empty, http URLs must answer."""
+    if not spec or not spec.strip():
+        raise DataError(f"{what} is empty: give a WebDataset shard spec such as data/digits/train-{{000000..000003}}.tar")
+    sources = []
+    for part in spec.split(" + "):
+        part = part.strip()
+        match = re.fullmatch(r"(.*)@(\d+(?:\.\d*)?)", part)
+        pattern, weight = (match.group(1), float(match.group(2))) if match else (part, 1.0)
+        urls = expand_urls(pattern)
+        if not urls:
+            raise DataError(f"{what} '{pattern}' expands to no shards")
+        _check_urls(urls, pattern, what)
+        info = _fetch_info(urls[0]) or {}
+        lengths = {}
+        for split in info.get("splits", {}).values():
+            lengths.update(zip(split.get("filenames", []), split.get("shard_lengths", [])))
+        counts = [lengths.get(os.path.basename(u)) for u in urls]
+        sources.append(Source(urls, weight, None if None in counts else counts, info.get("class_names")))
+    return sources
+
+
+def open_shard(url: str):
+    """A readable byte stream for a local path, an http(s) URL or a `pipe:` command."""
+    if url.startswith(("http://", "https://")):
+        return urllib.request.urlopen(url, timeout=60)
+    if url.startswith("pipe:"):
+        proc = subprocess.Popen(url[5:], shell=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        return proc.stdout
+    return open(url, "rb")
+
+
+def iter_samples(url: str, errors: list, skip: int = 0):
+    """Raw samples ({"__key__", ext: bytes, ...}) of one shard, after the first `skip`.
+
+    A shard that cannot be opened, or is truncated or corrupt partway, ends early: the problem is
+    appended to `errors` and the samples read so far stand.
+    """
+    try:
+        stream = open_shard(url)
+    except (OSError, urllib.error.URLError) as e:
+        errors.append(f"cannot open {url}: {e}")
+        return
+    try:
+        members = ({**m, "__url__": url} for m in tar_file_iterator(stream))
+        for i, sample in enumerate(group_by_keys(members)):
+            if i >= skip:
+                yield sample
+    except (tarfile.TarError, OSError, EOFError, ValueError) as e:
+        errors.append(f"{url} is truncated or corrupt: {e}")
+    finally:
+        stream.close()
+
+
+def count_samples(url: str) -> int:
+    """Samples in a shard, by reading it (for sources without `_info.json`)."""
+    return sum(1 for _ in iter_samples(url, []))
