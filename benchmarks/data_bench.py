@@ -68,9 +68,9 @@ def time_eval(spec, processor, batch: int) -> float:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--images", type=int, default=1024, help="JPEGs in the benchmark shards")
+    ap.add_argument("--images", type=int, default=2048, help="JPEGs in the benchmark shards")
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--batches", type=int, default=24, help="timed batches per measurement")
+    ap.add_argument("--batches", type=int, default=48, help="timed batches per measurement")
     ap.add_argument("--workers", default="0,1,2", help="DataLoader worker counts (0 = in the main process)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "data"))
@@ -130,7 +130,7 @@ def main():
             ax.axhline(r["images_per_sec_median"], color="#dd8452", ls="--", label="eval path (resize only), 0 workers")
     ax.set_xlabel("DataLoader workers (0 = main process)")
     ax.set_ylabel("images/s (median, min-max)")
-    ax.set_title("Train path: JPEG decode + RRC + flip + RandAugment(2, 9), 224x224")
+    ax.set_title("Train path: JPEG decode + crop + flip + RandAugment(2, 9), 224²", fontsize=10)
     ax.legend(fontsize=8)
     fig.text(0.01, 0.01, meta[:110], fontsize=6)
     fig.tight_layout(rect=(0, 0.03, 1, 1))

@@ -293,3 +293,13 @@ def test_mix_batch_soft_targets(mixup, cutmix):
     assert (targets.max(-1).values < 1).any()  # something was mixed
     plain, one_hot = mix_batch(images, labels, 10, 0.0, 0.0, None)
     assert plain is images and one_hot.argmax(-1).equal(labels)
+
+
+def test_data_benchmark_runs(tmp_path):
+    proc = subprocess.run([sys.executable, "benchmarks/data_bench.py", "--images", "64", "--batches", "2",
+                           "--repeats", "1", "--workers", "0,1", "--out", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    rows = (tmp_path / "results.csv").read_text().splitlines()
+    assert rows[0].startswith("path,workers,images_per_sec_median") and len(rows) == 4
+    assert (tmp_path / "throughput.png").stat().st_size > 10_000
