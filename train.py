@@ -30,6 +30,7 @@ from data.loader import ShardStream, TrainLoader, eval_batches, resume_state
 from data.shards import DataError, parse_spec
 from data.transforms import EvalTransform, TrainTransform, mix_batch
 from models import build_model, is_known, model_config
+from models.checkpointing import parse_policy
 from models.parallelize import build_ds_config, parallelize, resolve_precision
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -58,6 +59,9 @@ def check_run(cfg: Config, world_size: int, rank: int):
     hidden = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size).hidden_size
     precision = resolve_precision(cfg.precision)
     ds_config = build_ds_config(cfg, hidden, world_size, precision)
+    if parse_policy(cfg.ac)[0] == "offload" and not torch.cuda.is_available():
+        raise ConfigError("ac 'offload' keeps activations in pinned host memory, which needs a GPU; on CPU they "
+                          "are already in host memory")
 
     ckpt_dir = os.path.join(cfg.output_dir, "checkpoints")
     if cfg.resume not in ("", "latest") and not os.path.isdir(cfg.resume):
@@ -154,7 +158,12 @@ def main(argv=None):
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
     model, processor = build_model(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size, names)
     n_params = sum(p.numel() for p in model.parameters())
-    engine = parallelize(model, cfg, ds_config)
+    # activation checkpointing is planned from one forward of a random batch of the run's shape, so the
+    # profile reads no training data and the data order stays exact
+    profile_images = torch.randn(cfg.micro_batch_size, 3, cfg.image_size, cfg.image_size,
+                                 generator=torch.Generator().manual_seed(cfg.seed))
+    engine, ac_plan = parallelize(model, cfg, ds_config, profile_images, world_size, precision, device.type,
+                                  log=print if rank == 0 else lambda *a: None)
 
     # ------------------------------------------------------------------ resume
     start_step, data_state = 0, None
@@ -200,6 +209,8 @@ def main(argv=None):
             yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
         with open(os.path.join(cfg.output_dir, "ds_config.json"), "w") as f:
             json.dump(ds_config, f, indent=2)
+        with open(os.path.join(cfg.output_dir, "ac_plan.json"), "w") as f:
+            json.dump(ac_plan, f, indent=1)
         metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
         if os.path.exists(metrics_path):  # drop records past the checkpoint we resumed from
             with open(metrics_path) as f:
@@ -261,7 +272,8 @@ def main(argv=None):
                   "grad_norm": float(grad_norm) if grad_norm is not None else None,
                   "images_per_sec": images_per_step / step_seconds, "data_wait_frac": data_wait / step_seconds,
                   "peak_mem_bytes": peak_memory_bytes(), "data/skipped": int(data_totals[0]),
-                  "data/padded": int(data_totals[1])}
+                  "data/padded": int(data_totals[1]), "ac/activation_bytes": ac_plan["activation_bytes_planned"],
+                  "ac/recompute_flops_frac": ac_plan["recompute_flops_fraction"]}
         if per_epoch := train_stream.batches_per_rank_epoch():
             record["data/epoch"] = train_batches.state["batches"] / per_epoch
 

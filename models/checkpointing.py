@@ -1,0 +1,287 @@
+"""Activation checkpointing per transformer block: what to recompute, chosen per block, never changing numbers.
+
+Policies (run-config key `ac`):
+  none            keep every activation
+  full            recompute every block in the backward pass (keep only its input)
+  every_n:K       recompute blocks 0, K, 2K, ...
+  selective       keep the outputs of the compute-heavy ops (matmuls, attention kernels), recompute the
+                  cheap, memory-heavy ones (norms, GELU, softmax, dropout, residual adds); Korthikanti et
+                  al. 2022, with PyTorch's selective checkpoint contexts
+  hierarchical[:K]  the first K blocks full, the rest selective (ViT); for Swin, K counts stages. The
+                  default K is taken from a measured profile: the largest-activation blocks holding half
+                  of all activation bytes recompute fully
+  offload         keep every block's saved activations in pinned host memory (GPU only)
+  auto:BUDGET_GB  per-block plan (none | selective | full) from a one-batch profile of the real model,
+                  the least recompute that fits BUDGET_GB per rank
+
+A block is wrapped by replacing its instance `forward` with a checkpointed call of the original: module
+hooks (DeepSpeed ZeRO-3's parameter gather and release) stay outside the checkpoint and fire again,
+inside it, for the sub-modules the recompute runs; parameter names and `state_dict` keys do not change.
+"""
+import functools
+import json
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from config import ConfigError
+from models.blocks import Block, find_blocks
+
+aten = torch.ops.aten
+# outputs worth keeping: the ops that hold the FLOPs
+COMPUTE_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.convolution.default,
+               aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
+               aten._scaled_dot_product_cudnn_attention.default,
+               aten._scaled_dot_product_flash_attention_for_cpu.default}
+POLICIES = ("none", "full", "every_n:K", "selective", "hierarchical[:K]", "offload", "auto:BUDGET_GB")
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in COMPUTE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _wrap(block: Block, how: str):
+    original = block.module.forward
+    if how == "full":
+        def forward(*args, **kwargs):
+            return checkpoint(original, *args, use_reentrant=False, **kwargs)
+    elif how == "selective":
+        context = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
+
+        def forward(*args, **kwargs):
+            return checkpoint(original, *args, use_reentrant=False, context_fn=context, **kwargs)
+    elif how == "offload":
+        def forward(*args, **kwargs):
+            with torch.autograd.graph.save_on_cpu(pin_memory=True):
+                return original(*args, **kwargs)
+    else:
+        raise ValueError(how)
+    block.module.forward = forward
+    block.module._ac_policy = how
+
+
+def parse_policy(ac: str):
+    """(name, argument) of a policy string, or ConfigError listing the policies."""
+    name, _, arg = ac.partition(":")
+    try:
+        if name in ("none", "full", "selective", "offload") and not arg:
+            return name, None
+        if name == "every_n" and int(arg) >= 1:
+            return name, int(arg)
+        if name == "hierarchical":
+            return name, int(arg) if arg else None
+        if name == "auto" and float(arg) > 0:
+            return name, float(arg)
+    except ValueError:
+        pass
+    raise ConfigError(f"unknown activation checkpointing policy '{ac}' (one of: {', '.join(POLICIES)})")
+
+
+def hf_checkpointing_is_on(model) -> bool:
+    return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
+@dataclass
+class BlockProfile:
+    name: str
+    stage: int
+    bytes_none: int  # saved-for-backward bytes with every activation kept
+    bytes_selective: int  # compute-op outputs plus the block input
+    bytes_full: int  # the block input only
+    flops: int  # forward FLOPs (matmuls, attention): what full recompute repeats
+    cheap_elems: int  # elements produced by the other ops: what selective recompute repeats
+
+
+class _OpRecorder(torch.utils._python_dispatch.TorchDispatchMode):
+    """Bytes of compute-op outputs and element counts of the other ops, per active block."""
+
+    def __init__(self):
+        super().__init__()
+        self.block, self.compute_bytes, self.cheap_elems = None, {}, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.block is not None:
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            tensors = [t for t in outs if isinstance(t, torch.Tensor)]
+            if func in COMPUTE_OPS:
+                self.compute_bytes[self.block] = self.compute_bytes.get(self.block, 0) + sum(
+                    t.numel() * t.element_size() for t in tensors)
+            elif func._overloadpacket not in (aten.view, aten._unsafe_view, aten.t, aten.transpose, aten.permute,
+                                              aten.expand, aten.reshape, aten.detach, aten.slice, aten.select):
+                self.cheap_elems[self.block] = self.cheap_elems.get(self.block, 0) + sum(t.numel() for t in tensors)
+        return out
+
+
+def profile_blocks(model, images: torch.Tensor) -> list[BlockProfile]:
+    """One forward of the unwrapped model: saved-tensor bytes (unique storages), FLOPs and cheap-op work per block."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    blocks = find_blocks(model)
+    active = [None]
+    saved = {b.name: {} for b in blocks}
+    inputs = {}
+    handles = []
+    recorder = _OpRecorder()
+    for b in blocks:
+        def pre(module, args, name=b.name):
+            active[0] = recorder.block = name
+            inputs[name] = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+
+        def post(module, args, output):
+            active[0] = recorder.block = None
+        handles += [b.module.register_forward_pre_hook(pre), b.module.register_forward_hook(post)]
+
+    def pack(t):
+        if active[0] is not None:
+            storage = t.untyped_storage()
+            saved[active[0]][storage.data_ptr()] = storage.nbytes()
+        return t
+
+    flops = FlopCounterMode(display=False)
+    try:  # fork_rng: the profile must not move the RNG that dropout and stochastic depth draw from
+        with torch.random.fork_rng(devices=[]), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                flops, recorder:
+            model(images).logits.sum()
+    finally:
+        for h in handles:
+            h.remove()
+    per_module = flops.get_flop_counts()
+    out = []
+    for b in blocks:
+        f = sum(per_module.get(f"{type(model).__name__}.{b.name}", {}).values())
+        none = sum(saved[b.name].values())
+        out.append(BlockProfile(b.name, b.stage, none, min(none, recorder.compute_bytes.get(b.name, 0) + inputs[b.name]),
+                                inputs[b.name], int(f), recorder.cheap_elems.get(b.name, 0)))
+    return out
+
+
+def default_hierarchical_k(profile: list[BlockProfile], by_stage: bool) -> int:
+    """Smallest K whose first K blocks (or stages) hold at least half of all kept activation bytes."""
+    units = {}
+    for p in profile:
+        key = p.stage if by_stage else profile.index(p)
+        units[key] = units.get(key, 0) + p.bytes_none
+    total, running = sum(units.values()), 0
+    for k, key in enumerate(sorted(units), start=1):
+        running += units[key]
+        if running >= total / 2:
+            return k
+    return len(units)
+
+
+def plan_for_budget(profile: list[BlockProfile], activation_budget: int):
+    """Per-block choice of none/selective/full with the least recompute whose activations fit the budget.
+
+    Greedy on bytes saved per recomputed FLOP: a block moves none -> selective -> full, the cheapest
+    saving first. Selective recompute costs its cheap ops (counted as one FLOP per element produced).
+    Returns (plan, activation bytes, recompute FLOPs) or raises when even `full` everywhere does not fit.
+    """
+    levels = ("none", "selective", "full")
+    cost = {"none": 0, "selective": lambda p: p.cheap_elems, "full": lambda p: p.flops + p.cheap_elems}
+    size = {"none": lambda p: p.bytes_none, "selective": lambda p: p.bytes_selective, "full": lambda p: p.bytes_full}
+    plan = ["none"] * len(profile)
+    used = sum(p.bytes_none for p in profile)
+    floor = sum(p.bytes_full for p in profile)
+    if floor > activation_budget:
+        raise ConfigError(f"activation budget {activation_budget / 2**30:.3f} GiB is below what full recompute "
+                          f"still keeps ({floor / 2**30:.3f} GiB)")
+    while used > activation_budget:
+        best = None
+        for i, p in enumerate(profile):
+            if plan[i] == "full":
+                continue
+            nxt = levels[levels.index(plan[i]) + 1]
+            saved = size[plan[i]](p) - size[nxt](p)
+            extra = cost[nxt](p) - (cost[plan[i]](p) if plan[i] != "none" else 0)
+            ratio = saved / max(extra, 1)
+            if saved > 0 and (best is None or ratio > best[0]):
+                best = (ratio, i, nxt, saved)
+        if best is None:
+            break
+        _, i, nxt, saved = best
+        plan[i], used = nxt, used - saved
+    recompute = sum(cost[c](p) if c != "none" else 0 for c, p in zip(plan, profile))
+    return plan, used, recompute
+
+
+def apply_activation_checkpointing(model, ac: str, device_type: str, profile_images=None, fixed_bytes: int = 0,
+                                   log=print) -> dict:
+    """Wrap the model's blocks per policy `ac`; returns the plan that was applied (for the run directory)."""
+    name, arg = parse_policy(ac)
+    if name != "none" and hf_checkpointing_is_on(model):
+        raise ConfigError("the model already has Hugging Face activation checkpointing on; nesting it with "
+                          f"ac '{ac}' would recompute twice: disable one of them")
+    if name == "offload" and device_type != "cuda":
+        raise ConfigError("ac 'offload' keeps activations in pinned host memory, which needs a GPU; on CPU they "
+                          "are already in host memory")
+    blocks = find_blocks(model)
+    if not blocks:
+        raise ConfigError(f"ac '{ac}': no transformer blocks found in {type(model).__name__}")
+    profile = None
+    if name in ("hierarchical", "auto") or profile_images is not None:
+        profile = profile_blocks(model, profile_images)
+    if name == "none":
+        plan = ["none"] * len(blocks)
+    elif name in ("full", "selective", "offload"):
+        plan = [name] * len(blocks)
+    elif name == "every_n":
+        plan = ["full" if i % arg == 0 else "none" for i in range(len(blocks))]
+    elif name == "hierarchical":
+        by_stage = len({b.stage for b in blocks}) > 1
+        k = arg if arg is not None else default_hierarchical_k(profile, by_stage)
+        plan = ["full" if (b.stage if by_stage else b.index) < k else "selective" for b in blocks]
+    else:  # auto
+        budget = int(arg * 2**30) - fixed_bytes
+        plan, _, _ = plan_for_budget(profile, budget)
+    for block, how in zip(blocks, plan):
+        if how != "none":
+            _wrap(block, how)
+    result = {"ac": ac, "blocks": [{"name": b.name, "stage": b.stage, "policy": how} for b, how in zip(blocks, plan)]}
+    if profile is not None:
+        size = {"none": "bytes_none", "selective": "bytes_selective", "full": "bytes_full", "offload": "bytes_none"}
+        result["profile"] = [p.__dict__ for p in profile]
+        result["activation_bytes_planned"] = sum(getattr(p, size[h]) for p, h in zip(profile, plan))
+        result["activation_bytes_none"] = sum(p.bytes_none for p in profile)
+        fwd = sum(p.flops for p in profile)
+        recompute = sum(p.flops + p.cheap_elems if h == "full" else p.cheap_elems if h == "selective" else 0
+                        for p, h in zip(profile, plan))
+        result["recompute_flops_fraction"] = recompute / (3 * fwd) if fwd else 0.0  # of forward + backward
+        if name in ("auto", "hierarchical"):
+            counts = {h: plan.count(h) for h in ("none", "selective", "full")}
+            log(f"ac {ac}: {counts} | activations {result['activation_bytes_planned'] / 2**20:.1f} MiB of "
+                f"{result['activation_bytes_none'] / 2**20:.1f} MiB | recompute {result['recompute_flops_fraction']:.1%} "
+                f"of the step's FLOPs")
+    return result
+
+
+def measure_activation_bytes(model, images: torch.Tensor) -> int:
+    """Bytes a training forward leaves allocated for the backward (activations plus the logits), measured.
+
+    GPU: the caching allocator's count. CPU: the profiler's memory events (PyTorch keeps no CPU allocator
+    statistics), summed over the forward: allocations minus frees.
+    """
+    if images.is_cuda:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        out = model(images).logits
+        torch.cuda.synchronize()
+        retained = torch.cuda.memory_allocated() - before
+        del out
+        return retained
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = model(images).logits
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = [e["args"] for e in json.load(open(f.name))["traceEvents"] if e.get("name") == "[memory]"]
+    del out
+    if not events:
+        return 0
+    before = events[0]["Total Allocated"] - events[0]["Bytes"]
+    return events[-1]["Total Allocated"] - before

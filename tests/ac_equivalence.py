@@ -1,0 +1,57 @@
+"""Run by tests/test_checkpointing.py under `deepspeed --num_gpus 2`: every AC policy against `none`.
+
+    deepspeed --num_gpus 2 tests/ac_equivalence.py ZERO_STAGE OUT.json
+
+For vit-debug and swin-debug, each policy trains 4 steps from the same seed on the same per-rank batches
+under the given ZeRO stage; rank 0 writes the losses and a digest of the final weights per policy.
+"""
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from config import Config  # noqa: E402
+from models import build_model  # noqa: E402
+from models.checkpointing import apply_activation_checkpointing, profile_blocks  # noqa: E402
+from models.parallelize import build_ds_config, param_groups  # noqa: E402
+
+stage, out = [int(a) if a.isdigit() else a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+deepspeed.init_distributed()
+rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+results = {}
+for name in ("vit-debug", "swin-debug"):
+    torch.manual_seed(0)
+    probe, _ = build_model(name, 10, 16)
+    images = torch.randn(8, 3, 16, 16)
+    prof = profile_blocks(probe, images)
+    mid = (sum(p.bytes_none for p in prof) + sum(p.bytes_full for p in prof)) / 2 / 2**30
+    for ac in ("none", "full", "every_n:2", "selective", "hierarchical", f"auto:{mid:.9f}"):
+        torch.manual_seed(0)
+        model, _ = build_model(name, 10, 16)
+        plan = apply_activation_checkpointing(model, ac, "cpu", images, log=lambda *a: None)
+        cfg = Config(zero_stage=stage, micro_batch_size=8, lr=1e-3, warmup_steps=1, max_steps=4)
+        ds = build_ds_config(cfg, model.config.hidden_size, world, "fp32")
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, 0.05), config=ds)
+        torch.manual_seed(1)  # once: drop path draws the same numbers whatever the policy
+        losses = []
+        for step in range(4):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            x, y = torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
+            loss = F.cross_entropy(engine(x).logits, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        params = list(engine.module.parameters())
+        with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
+            flat = torch.cat([p.detach().flatten() for p in params]).double()
+        results[f"{name}|{ac.split(':')[0]}"] = {"losses": losses, "weights": flat.tolist()[:2000],
+                                                 "weights_sum": flat.sum().item(),
+                                                 "policies": [b["policy"] for b in plan["blocks"]]}
+        engine.destroy()
+if rank == 0:
+    with open(out, "w") as f:
+        json.dump(results, f)

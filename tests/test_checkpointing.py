@@ -1,0 +1,132 @@
+"""Activation checkpointing: every policy leaves the numbers unchanged under ZeRO 1-3, and saves what it says."""
+import copy
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+from conftest import BIN, REPO, free_port, launch, read_metrics
+from config import ConfigError
+from models import build_model, find_blocks
+from models.checkpointing import (BlockProfile, apply_activation_checkpointing, default_hierarchical_k,
+                                  measure_activation_bytes, parse_policy, plan_for_budget, profile_blocks)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_every_policy_matches_none_bitwise_under_zero(stage, tmp_path):
+    """4 training steps, 2 ranks, vit-debug and swin-debug: losses and final weights equal `none` exactly."""
+    out = tmp_path / "result.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", str(free_port()),
+                           "tests/ac_equivalence.py", str(stage), str(out)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert len(results) == 12
+    for key, r in results.items():
+        model, policy = key.split("|")
+        none = results[f"{model}|none"]
+        assert r["losses"] == none["losses"], key
+        assert r["weights"] == none["weights"] and r["weights_sum"] == none["weights_sum"], key
+        if policy in ("full", "selective"):
+            assert set(r["policies"]) == {policy}
+    assert results["vit-debug|auto"]["policies"] != ["none", "none"]  # the mid budget forced some recompute
+
+
+@pytest.fixture(scope="module")
+def vit_small():
+    torch.manual_seed(0)
+    model, _ = build_model("vit-small", 10, 64, 8)  # ViT-S, 65 tokens: the CPU benchmark's shape
+    return model, torch.randn(8, 3, 64, 64)
+
+
+def test_policies_reduce_measured_activation_memory(vit_small):
+    model, images = vit_small
+    measured = {}
+    for ac in ("none", "selective", "hierarchical", "full"):
+        m = copy.deepcopy(model)
+        apply_activation_checkpointing(m, ac, "cpu", images, log=lambda *a: None)
+        measured[ac] = measure_activation_bytes(m, images)
+    assert measured["none"] > measured["selective"] > measured["hierarchical"] > measured["full"] > 0
+    assert measured["selective"] < 0.8 * measured["none"]  # measured here: 31% less
+    assert measured["full"] < 0.1 * measured["none"]
+
+
+def test_profile_counts_blocks_flops_and_bytes(vit_small):
+    model, images = vit_small
+    profile = profile_blocks(model, images)
+    assert len(profile) == 12 and len({p.bytes_none for p in profile}) == 1  # ViT blocks are alike
+    p = profile[0]
+    assert p.bytes_full < p.bytes_selective < p.bytes_none
+    tokens, hidden = 8 * 65, 384
+    linear_flops = 2 * tokens * hidden * (4 * hidden + 2 * 4 * hidden)  # qkv + out, fc1 + fc2
+    assert p.flops == pytest.approx(linear_flops, rel=0.1)  # plus attention, a few percent at 65 tokens
+    assert p.bytes_full == tokens * hidden * 4  # the block input, fp32
+
+
+def synthetic_profile():
+    # a Swin-like shape: early blocks hold big activations for few FLOPs
+    sizes = [(800, 100), (800, 100), (400, 200), (400, 200), (200, 400), (200, 400)]
+    return [BlockProfile(f"b{i}", i // 2, none, none // 2, none // 10, flops, flops // 100)
+            for i, (none, flops) in enumerate(sizes)]
+
+
+def test_auto_plan_fits_every_budget_with_least_recompute():
+    profile = synthetic_profile()
+    none = sum(p.bytes_none for p in profile)
+    floor = sum(p.bytes_full for p in profile)
+    previous = -1
+    for budget in [none, int(none * 0.8), int(none * 0.5), int(none * 0.3), floor]:
+        plan, used, recompute = plan_for_budget(profile, budget)
+        assert used <= budget
+        assert recompute >= previous  # tighter budget, never less recompute
+        previous = recompute
+    assert plan_for_budget(profile, none)[0] == ["none"] * 6
+    assert plan_for_budget(profile, floor)[0] == ["full"] * 6
+    plan, _, _ = plan_for_budget(profile, int(none * 0.3))
+    # the first blocks to go full are the early ones: most bytes saved per FLOP recomputed
+    assert plan.index("full") == 0
+    with pytest.raises(ConfigError, match="below what full recompute"):
+        plan_for_budget(profile, floor - 1)
+
+
+def test_hierarchical_default_k_from_measured_sizes():
+    profile = synthetic_profile()  # bytes per stage: 1600, 800, 400 -> stage 0 holds more than half
+    assert default_hierarchical_k(profile, by_stage=True) == 1
+    assert default_hierarchical_k(profile, by_stage=False) == 2  # blocks 0+1 = 1600 of 2800
+
+
+def test_no_nested_checkpointing():
+    model, _ = build_model("swin-debug", 10, 16)
+    model.activation_checkpointing_enable()
+    with pytest.raises(ConfigError, match="would recompute twice"):
+        apply_activation_checkpointing(model, "full", "cpu", None)
+    model, _ = build_model("swin-debug", 10, 16)
+    apply_activation_checkpointing(model, "full", "cpu", None)
+    wrapped = [n for n, m in model.named_modules() if getattr(m, "_ac_policy", None)]
+    assert wrapped == [b.name for b in find_blocks(model)]  # blocks only, never a stage around them
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
+@pytest.mark.parametrize("ac", ["sometimes", "every_n:0", "auto:-1", "auto:", "full:3"])
+def test_unknown_policy(ac):
+    with pytest.raises(ConfigError, match="unknown activation checkpointing policy"):
+        parse_policy(ac)
+
+
+def test_offload_needs_a_gpu():
+    model, _ = build_model("vit-debug", 10, 16)
+    with pytest.raises(ConfigError, match="needs a GPU"):
+        apply_activation_checkpointing(model, "offload", "cpu", None)
+
+
+def test_train_logs_the_plan_and_its_figures(debug_args, tmp_path):
+    proc = launch(debug_args + ["--max_steps", "3", "--eval_every", "0", "--ac", "hierarchical", "--output_dir",
+                                tmp_path], launcher="python")
+    assert "ac hierarchical:" in proc.stdout
+    plan = json.loads((tmp_path / "ac_plan.json").read_text())
+    assert [b["policy"] for b in plan["blocks"]] == ["full"] * 3 + ["selective"] * 3  # vit-digits: half of 6 alike blocks
+    record = read_metrics(tmp_path)[-1]
+    assert record["ac/activation_bytes"] == plan["activation_bytes_planned"] < plan["activation_bytes_none"]
+    assert 0 < record["ac/recompute_flops_frac"] < 0.34
