@@ -38,17 +38,33 @@ COMPUTE_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddb
 POLICIES = ("none", "full", "every_n:K", "selective", "hierarchical[:K]", "offload", "auto:BUDGET_GB")
 
 
-def _selective_policy(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in COMPUTE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+def _selective_policy(keep):
+    """Keep the i-th compute op's output when keep[i] (all of them when keep is None); recompute the rest.
+
+    A fresh policy per checkpointed call, with separate op counters for the forward and the recompute,
+    which replay the same ops in the same order and so take the same decisions.
+    """
+    seen = {False: 0, True: 0}
+
+    def policy(ctx, op, *args, **kwargs):
+        if op not in COMPUTE_OPS:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        i = seen[ctx.is_recompute]
+        seen[ctx.is_recompute] += 1
+        save = keep is None or i >= len(keep) or keep[i]
+        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
 
 
-def _wrap(block: Block, how: str):
+def _wrap(block: Block, how: str, keep=None):
     original = block.module.forward
     if how == "full":
         def forward(*args, **kwargs):
             return checkpoint(original, *args, use_reentrant=False, **kwargs)
     elif how == "selective":
-        context = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
+        def context():
+            return create_selective_checkpoint_contexts(_selective_policy(keep))
 
         def forward(*args, **kwargs):
             return checkpoint(original, *args, use_reentrant=False, context_fn=context, **kwargs)
@@ -88,10 +104,11 @@ class BlockProfile:
     name: str
     stage: int
     bytes_none: int  # saved-for-backward bytes with every activation kept
-    bytes_selective: int  # compute-op outputs plus the block input
+    bytes_selective: int  # the kept compute-op outputs plus the block input
     bytes_full: int  # the block input only
     flops: int  # forward FLOPs (matmuls, attention): what full recompute repeats
     cheap_elems: int  # elements produced by the other ops: what selective recompute repeats
+    keep: list  # per compute op in forward order: is its output saved for the backward by a later op?
 
 
 class _OpRecorder(torch.utils._python_dispatch.TorchDispatchMode):
@@ -99,7 +116,7 @@ class _OpRecorder(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.block, self.compute_bytes, self.cheap_elems = None, {}, {}
+        self.block, self.compute_outputs, self.cheap_elems = None, {}, {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -107,8 +124,8 @@ class _OpRecorder(torch.utils._python_dispatch.TorchDispatchMode):
             outs = out if isinstance(out, (tuple, list)) else (out,)
             tensors = [t for t in outs if isinstance(t, torch.Tensor)]
             if func in COMPUTE_OPS:
-                self.compute_bytes[self.block] = self.compute_bytes.get(self.block, 0) + sum(
-                    t.numel() * t.element_size() for t in tensors)
+                storage = tensors[0].untyped_storage()
+                self.compute_outputs.setdefault(self.block, []).append((storage.data_ptr(), storage.nbytes()))
             elif func._overloadpacket not in (aten.view, aten._unsafe_view, aten.t, aten.transpose, aten.permute,
                                               aten.expand, aten.reshape, aten.detach, aten.slice, aten.select):
                 self.cheap_elems[self.block] = self.cheap_elems.get(self.block, 0) + sum(t.numel() for t in tensors)
@@ -153,8 +170,13 @@ def profile_blocks(model, images: torch.Tensor) -> list[BlockProfile]:
     for b in blocks:
         f = sum(per_module.get(f"{type(model).__name__}.{b.name}", {}).values())
         none = sum(saved[b.name].values())
-        out.append(BlockProfile(b.name, b.stage, none, min(none, recorder.compute_bytes.get(b.name, 0) + inputs[b.name]),
-                                inputs[b.name], int(f), recorder.cheap_elems.get(b.name, 0)))
+        # an output that no later op saves for the backward (the MLP's last matmul, say) need not be kept:
+        # the recompute stops before it (non-reentrant checkpointing's early stop), so dropping it is free
+        outputs = recorder.compute_outputs.get(b.name, [])
+        keep = [ptr in saved[b.name] for ptr, _ in outputs]
+        kept = sum(nbytes for (ptr, nbytes), k in zip(outputs, keep) if k)
+        out.append(BlockProfile(b.name, b.stage, none, min(none, kept + inputs[b.name]), inputs[b.name], int(f),
+                                recorder.cheap_elems.get(b.name, 0), keep))
     return out
 
 
@@ -236,9 +258,9 @@ def apply_activation_checkpointing(model, ac: str, device_type: str, profile_ima
     else:  # auto
         budget = int(arg * 2**30) - fixed_bytes
         plan, _, _ = plan_for_budget(profile, budget)
-    for block, how in zip(blocks, plan):
+    for i, (block, how) in enumerate(zip(blocks, plan)):
         if how != "none":
-            _wrap(block, how)
+            _wrap(block, how, profile[i].keep if profile is not None else None)
     result = {"ac": ac, "blocks": [{"name": b.name, "stage": b.stage, "policy": how} for b, how in zip(blocks, plan)]}
     if profile is not None:
         size = {"none": "bytes_none", "selective": "bytes_selective", "full": "bytes_full", "offload": "bytes_none"}

@@ -49,7 +49,7 @@ def test_policies_reduce_measured_activation_memory(vit_small):
         apply_activation_checkpointing(m, ac, "cpu", images, log=lambda *a: None)
         measured[ac] = measure_activation_bytes(m, images)
     assert measured["none"] > measured["selective"] > measured["hierarchical"] > measured["full"] > 0
-    assert measured["selective"] < 0.8 * measured["none"]  # measured here: 31% less
+    assert measured["selective"] < 0.6 * measured["none"]  # the 40% target; measured here: 43% less
     assert measured["full"] < 0.1 * measured["none"]
 
 
@@ -68,7 +68,7 @@ def test_profile_counts_blocks_flops_and_bytes(vit_small):
 def synthetic_profile():
     # a Swin-like shape: early blocks hold big activations for few FLOPs
     sizes = [(800, 100), (800, 100), (400, 200), (400, 200), (200, 400), (200, 400)]
-    return [BlockProfile(f"b{i}", i // 2, none, none // 2, none // 10, flops, flops // 100)
+    return [BlockProfile(f"b{i}", i // 2, none, none // 2, none // 10, flops, flops // 100, None)
             for i, (none, flops) in enumerate(sizes)]
 
 
