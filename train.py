@@ -29,9 +29,9 @@ from config import Config, ConfigError, parse, to_dict
 from data.loader import ShardStream, TrainLoader, eval_batches, resume_state
 from data.shards import DataError, parse_spec
 from data.transforms import EvalTransform, TrainTransform, mix_batch
-from models import build_model, is_known, model_config
-from models.checkpointing import parse_policy
-from models.parallelize import build_ds_config, parallelize, resolve_precision
+from models import build_model, model_config
+from models.checkpointing import check_policy, memory_trace
+from models.parallelize import build_ds_config, parallelize, release_deepspeed_shm, resolve_precision
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -51,17 +51,14 @@ def check_run(cfg: Config, world_size: int, rank: int):
     """Every check on the input that can fail, before anything is written or any process group forms."""
     train_sources = parse_spec(cfg.train_shards, "train_shards")
     val_sources = parse_spec(cfg.val_shards, "val_shards")
-    if not is_known(cfg.model):
-        model_config(cfg.model, cfg.num_labels, cfg.image_size)  # raises the message that lists the names
     names = train_sources[0].class_names
     if names is not None and len(names) != cfg.num_labels:
         raise ConfigError(f"num_labels is {cfg.num_labels} but the train shards' _info.json lists {len(names)} classes")
+    # an unknown model name raises here, with the list of known ones
     hidden = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size).hidden_size
     precision = resolve_precision(cfg.precision)
     ds_config = build_ds_config(cfg, hidden, world_size, precision)
-    if parse_policy(cfg.ac)[0] == "offload" and not torch.cuda.is_available():
-        raise ConfigError("ac 'offload' keeps activations in pinned host memory, which needs a GPU; on CPU they "
-                          "are already in host memory")
+    check_policy(cfg.ac, "cuda" if torch.cuda.is_available() else "cpu")
 
     ckpt_dir = os.path.join(cfg.output_dir, "checkpoints")
     if cfg.resume not in ("", "latest") and not os.path.isdir(cfg.resume):
@@ -148,6 +145,8 @@ def main(argv=None):
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     deepspeed.init_distributed()  # NCCL on GPUs; gloo on DeepSpeed's CPU accelerator
+    dist.barrier()
+    release_deepspeed_shm(rank)
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -162,8 +161,15 @@ def main(argv=None):
     # profile reads no training data and the data order stays exact
     profile_images = torch.randn(cfg.micro_batch_size, 3, cfg.image_size, cfg.image_size,
                                  generator=torch.Generator().manual_seed(cfg.seed))
-    engine, ac_plan = parallelize(model, cfg, ds_config, profile_images, world_size, precision, device.type,
-                                  log=print if rank == 0 else lambda *a: None)
+    try:
+        engine, ac_plan = parallelize(model, cfg, ds_config, profile_images, world_size, precision, device.type,
+                                      log=print if rank == 0 else lambda *a: None)
+    except ConfigError as e:  # an `auto` budget that cannot be met shows only once the model is profiled
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+            if not os.listdir(cfg.output_dir):  # created by check_run, nothing written yet
+                os.rmdir(cfg.output_dir)
+        sys.exit(2)
 
     # ------------------------------------------------------------------ resume
     start_step, data_state = 0, None
@@ -247,6 +253,13 @@ def main(argv=None):
     for step in range(start_step + 1, cfg.max_steps + 1):
         step_start, data_wait = time.perf_counter(), 0.0
         lr = engine.get_lr()[0]
+        # one profiled step per run on CPU: its peak allocation is the memory figure issue-grade comparisons use
+        profiler = None
+        if device.type == "cpu" and step == start_step + 2:
+            from torch.profiler import ProfilerActivity, profile
+
+            profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            profiler.__enter__()
         sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, skipped, padded
         for micro in range(cfg.grad_accum_steps):
             wait_start = time.perf_counter()
@@ -261,11 +274,14 @@ def main(argv=None):
             engine.step()  # optimizer and LR schedule advance only at the accumulation boundary
             sums += torch.stack([loss.detach().double(), torch.tensor(meta["skipped"], dtype=torch.float64,
                                  device=device), torch.tensor(meta["padded"], dtype=torch.float64, device=device)])
+        if profiler is not None:
+            profiler.__exit__(None, None, None)
+            before, peak, _ = memory_trace(profiler)
         dist.all_reduce(sums)  # also synchronises, so the step time below is complete
         step_loss = sums[0].item() / (cfg.grad_accum_steps * world_size)
         data_totals += sums[1:]
         step_seconds = time.perf_counter() - step_start
-        if step > start_step + 1:  # the first step pays for buffer allocation and worker start-up
+        if step > start_step + 1 and profiler is None:  # step 1 allocates buffers and starts workers
             timed_images, timed_seconds = timed_images + images_per_step, timed_seconds + step_seconds
         grad_norm = engine.get_global_grad_norm()
         record = {"step": step, "loss": step_loss, "lr": lr,
@@ -274,6 +290,8 @@ def main(argv=None):
                   "peak_mem_bytes": peak_memory_bytes(), "data/skipped": int(data_totals[0]),
                   "data/padded": int(data_totals[1]), "ac/activation_bytes": ac_plan["activation_bytes_planned"],
                   "ac/recompute_flops_frac": ac_plan["recompute_flops_fraction"]}
+        if profiler is not None:  # profiling slows this step: the summary's images/s leaves it out
+            record["mem/step_peak_alloc_bytes"] = peak - before
         if per_epoch := train_stream.batches_per_rank_epoch():
             record["data/epoch"] = train_batches.state["batches"] / per_epoch
 

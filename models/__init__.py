@@ -1,2 +1,2 @@
 from models.blocks import Block, find_blocks
-from models.registry import NAMES, build_model, is_known, model_config
+from models.registry import NAMES, build_model, model_config

@@ -95,6 +95,15 @@ def parse_policy(ac: str):
     raise ConfigError(f"unknown activation checkpointing policy '{ac}' (one of: {', '.join(POLICIES)})")
 
 
+def check_policy(ac: str, device_type: str):
+    """(name, argument) of a policy this device can run, or ConfigError."""
+    name, arg = parse_policy(ac)
+    if name == "offload" and device_type != "cuda":
+        raise ConfigError("ac 'offload' keeps activations in pinned host memory, which needs a GPU; on CPU they "
+                          "are already in host memory")
+    return name, arg
+
+
 def hf_checkpointing_is_on(model) -> bool:
     return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
 
@@ -232,13 +241,10 @@ def plan_for_budget(profile: list[BlockProfile], activation_budget: int):
 def apply_activation_checkpointing(model, ac: str, device_type: str, profile_images=None, fixed_bytes: int = 0,
                                    log=print) -> dict:
     """Wrap the model's blocks per policy `ac`; returns the plan that was applied (for the run directory)."""
-    name, arg = parse_policy(ac)
+    name, arg = check_policy(ac, device_type)
     if name != "none" and hf_checkpointing_is_on(model):
         raise ConfigError("the model already has Hugging Face activation checkpointing on; nesting it with "
                           f"ac '{ac}' would recompute twice: disable one of them")
-    if name == "offload" and device_type != "cuda":
-        raise ConfigError("ac 'offload' keeps activations in pinned host memory, which needs a GPU; on CPU they "
-                          "are already in host memory")
     blocks = find_blocks(model)
     if not blocks:
         raise ConfigError(f"ac '{ac}': no transformer blocks found in {type(model).__name__}")
@@ -279,12 +285,27 @@ def apply_activation_checkpointing(model, ac: str, device_type: str, profile_ima
     return result
 
 
-def measure_activation_bytes(model, images: torch.Tensor) -> int:
-    """Bytes a training forward leaves allocated for the backward (activations plus the logits), measured.
+def memory_trace(prof) -> tuple[int, int, int]:
+    """(allocated before, peak, allocated after) from a CPU profiler run with profile_memory=True.
 
-    GPU: the caching allocator's count. CPU: the profiler's memory events (PyTorch keeps no CPU allocator
-    statistics), summed over the forward: allocations minus frees.
+    PyTorch keeps no CPU allocator statistics; the profiler's "[memory]" events carry the running
+    "Total Allocated", which is the CPU counterpart of torch.cuda.memory_allocated().
     """
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        with open(f.name) as trace:
+            events = [e["args"] for e in json.load(trace)["traceEvents"] if e.get("name") == "[memory]"]
+    if not events:
+        return 0, 0, 0
+    before = events[0]["Total Allocated"] - events[0]["Bytes"]
+    return before, max(e["Total Allocated"] for e in events), events[-1]["Total Allocated"]
+
+
+def measure_activation_bytes(model, images: torch.Tensor) -> int:
+    """Bytes a training forward leaves allocated for the backward (activations plus the logits), measured:
+    the caching allocator's count on GPU, the profiler's memory events on CPU."""
     if images.is_cuda:
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
@@ -293,17 +314,10 @@ def measure_activation_bytes(model, images: torch.Tensor) -> int:
         retained = torch.cuda.memory_allocated() - before
         del out
         return retained
-    import tempfile
-
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = model(images).logits
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        events = [e["args"] for e in json.load(open(f.name))["traceEvents"] if e.get("name") == "[memory]"]
+    before, _, after = memory_trace(prof)
     del out
-    if not events:
-        return 0
-    before = events[0]["Total Allocated"] - events[0]["Bytes"]
-    return events[-1]["Total Allocated"] - before
+    return after - before

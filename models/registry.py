@@ -35,10 +35,6 @@ SWIN_SIZES = {
 NAMES = (*VIT_SIZES, *SWIN_SIZES)
 
 
-def is_known(name: str) -> bool:
-    return name in NAMES or os.path.isfile(os.path.join(name, "config.json"))
-
-
 def model_config(name: str, num_labels: int, image_size: int, patch_size: int = 0, class_names=None):
     """The transformers config for a registry name or a local directory (no weights touched)."""
     labels = list(class_names) if class_names else [str(i) for i in range(num_labels)]

@@ -17,11 +17,13 @@ import torch.nn.functional as F  # noqa: E402
 from config import Config  # noqa: E402
 from models import build_model  # noqa: E402
 from models.checkpointing import apply_activation_checkpointing, profile_blocks  # noqa: E402
-from models.parallelize import build_ds_config, param_groups  # noqa: E402
+from models.parallelize import build_ds_config, param_groups, release_deepspeed_shm  # noqa: E402
 
 stage, out = [int(a) if a.isdigit() else a for a in sys.argv[1:] if not a.startswith("--local_rank")]
 deepspeed.init_distributed()
 rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+torch.distributed.barrier()
+release_deepspeed_shm(rank)
 results = {}
 for name in ("vit-debug", "swin-debug"):
     torch.manual_seed(0)

@@ -39,6 +39,7 @@ def launch(args, nproc=2, launcher="deepspeed", timeout=300, check=True):
     env.pop("RANK", None)
     proc = subprocess.run(cmd + [str(a) for a in args], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=timeout)
+    proc.port = port
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc

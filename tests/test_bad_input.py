@@ -28,6 +28,7 @@ CASES = {
     "dead url": (lambda t, d: ["--train_shards", "http://127.0.0.1:9/train-{000000..000001}.tar"],
                  "cannot open 2 of 2 URLs"),
     "unknown ac policy": (lambda t, d: ["--ac", "sometimes"], "unknown activation checkpointing policy 'sometimes'"),
+    "impossible ac budget": (lambda t, d: ["--ac", "auto:0.0001"], "below what full recompute still keeps"),
     "offload on cpu": (lambda t, d: ["--ac", "offload"], "needs a GPU"),
     "fp16 on cpu": (lambda t, d: ["--precision", "fp16"], "precision fp16 needs a GPU"),
     "missing resume checkpoint": (lambda t, d: ["--resume", f"{t}/no-such-checkpoint"], "does not exist"),

@@ -3,6 +3,7 @@ import copy
 import json
 import os
 import subprocess
+import warnings
 
 import pytest
 import torch
@@ -18,9 +19,16 @@ def test_every_policy_matches_none_bitwise_under_zero(stage, tmp_path):
     """4 training steps, 2 ranks, vit-debug and swin-debug: losses and final weights equal `none` exactly."""
     out = tmp_path / "result.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", str(free_port()),
-                           "tests/ac_equivalence.py", str(stage), str(out)], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
+    for attempt in range(2):
+        proc = subprocess.run([f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", str(free_port()),
+                               "tests/ac_equivalence.py", str(stage), str(out)], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=300)
+        # Known, not understood: about 1 run in 10 of this harness (12 ZeRO-3 engines built and destroyed in
+        # one process) has a rank abort in C++ ("terminate called without an active exception"). One retry on
+        # exactly that, said out loud; train.py builds one engine per process and has not shown it.
+        if not (proc.returncode != 0 and "terminate called without an active exception" in proc.stdout + proc.stderr):
+            break
+        warnings.warn(f"ZeRO-{stage} equivalence harness aborted in C++ (attempt {attempt + 1}); retrying once")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())
     assert len(results) == 12
@@ -127,6 +135,10 @@ def test_train_logs_the_plan_and_its_figures(debug_args, tmp_path):
     assert "ac hierarchical:" in proc.stdout
     plan = json.loads((tmp_path / "ac_plan.json").read_text())
     assert [b["policy"] for b in plan["blocks"]] == ["full"] * 3 + ["selective"] * 3  # vit-digits: half of 6 alike blocks
-    record = read_metrics(tmp_path)[-1]
+    records = read_metrics(tmp_path)
+    record = records[-1]
     assert record["ac/activation_bytes"] == plan["activation_bytes_planned"] < plan["activation_bytes_none"]
     assert 0 < record["ac/recompute_flops_frac"] < 0.34
+    # the one profiled step: its measured peak allocation lies above the activations the plan keeps
+    assert [r["step"] for r in records if "mem/step_peak_alloc_bytes" in r] == [2]
+    assert records[1]["mem/step_peak_alloc_bytes"] > plan["activation_bytes_planned"]

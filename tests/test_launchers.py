@@ -1,4 +1,6 @@
 """train.py runs unchanged under torchrun, accelerate launch and plain python."""
+import os
+
 import numpy as np
 from conftest import launch, read_metrics
 
@@ -6,7 +8,9 @@ from conftest import launch, read_metrics
 def test_torchrun_matches_deepspeed_launcher(debug_args, tmp_path):
     """Two launchers, same ranks and seed: identical losses."""
     args = debug_args + ["--model", "vit-debug", "--zero_stage", "2", "--max_steps", "20", "--eval_every", "0"]
-    launch(args + ["--output_dir", tmp_path / "ds"], launcher="deepspeed")
+    proc = launch(args + ["--output_dir", tmp_path / "ds"], launcher="deepspeed")
+    # DeepSpeed's shared-memory all-reduce buffers (~68 MB a rank) must not outlive the run
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("deepspeed_") and f"_{proc.port}_" in f]
     launch(args + ["--output_dir", tmp_path / "tr"], launcher="torchrun")
     ds = [r["loss"] for r in read_metrics(tmp_path / "ds")]
     tr = [r["loss"] for r in read_metrics(tmp_path / "tr")]
