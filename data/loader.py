@@ -20,7 +20,6 @@ import random
 import warnings
 from itertools import accumulate
 
-import numpy as np
 import torch
 from PIL import Image
 

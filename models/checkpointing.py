@@ -18,9 +18,7 @@ A block is wrapped by replacing its instance `forward` with a checkpointed call 
 hooks (DeepSpeed ZeRO-3's parameter gather and release) stay outside the checkpoint and fire again,
 inside it, for the sub-modules the recompute runs; parameter names and `state_dict` keys do not change.
 """
-import functools
 import json
-import math
 from dataclasses import dataclass
 
 import torch
