@@ -42,3 +42,17 @@ def test_bf16_trains_on_cpu(debug_args, tmp_path):
 
     with open(tmp_path / "run" / "ds_config.json") as f:
         assert json.load(f)["bf16"]["enabled"] is True
+
+
+def test_grad_accumulation_matches_the_larger_micro_batch(debug_args, tmp_path):
+    """16 x 2 accumulated = 32 x 1: the same 32 samples per step (epoch mode reads them in the same order),
+    the same mean loss and update up to fp32 summation order."""
+    args = debug_args + ["--model", "vit-debug", "--max_steps", "8", "--eval_every", "0"]
+    launch(args + ["--micro_batch_size", "32", "--output_dir", tmp_path / "big"], launcher="python")
+    proc = launch(args + ["--micro_batch_size", "16", "--grad_accum_steps", "2", "--output_dir", tmp_path / "acc"],
+                  launcher="python")
+    assert "global batch 32 = 16 micro x 2 accum x 1 ranks" in proc.stdout
+    big = [r["loss"] for r in read_metrics(tmp_path / "big")]
+    acc = [r["loss"] for r in read_metrics(tmp_path / "acc")]
+    np.testing.assert_allclose(acc, big, rtol=1e-5)
+    assert read_metrics(tmp_path / "acc")[-1]["lr"] == read_metrics(tmp_path / "big")[-1]["lr"]
