@@ -142,3 +142,13 @@ def test_train_logs_the_plan_and_its_figures(debug_args, tmp_path):
     # the one profiled step: its measured peak allocation lies above the activations the plan keeps
     assert [r["step"] for r in records if "mem/step_peak_alloc_bytes" in r] == [2]
     assert records[1]["mem/step_peak_alloc_bytes"] > plan["activation_bytes_planned"]
+
+
+def test_selective_composes_with_bf16_and_grad_accumulation(debug_args, tmp_path):
+    """Runs end to end (bf16 is slow on these CPUs; its speed and accuracy are GPU questions)."""
+    launch(debug_args + ["--model", "vit-debug", "--max_steps", "2", "--eval_every", "0", "--micro_batch_size", "4",
+                         "--grad_accum_steps", "2", "--precision", "bf16", "--ac", "selective", "--output_dir",
+                         tmp_path], launcher="python")
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2] and all(r["loss"] == r["loss"] for r in records)  # no NaN
+    assert json.loads((tmp_path / "ds_config.json").read_text())["bf16"]["enabled"] is True
