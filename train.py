@@ -205,6 +205,7 @@ def main(argv=None):
         transform=TrainTransform(processor, cfg.crop_scale_min, cfg.hflip, cfg.randaug_n, cfg.randaug_m),
         state=data_state)
     train_batches = TrainLoader(train_stream, cfg.num_workers)
+    per_epoch = train_stream.batches_per_rank_epoch()  # None in resampled mode
     val_data = lambda: eval_batches(val_sources, EvalTransform(processor), cfg.micro_batch_size, rank, world_size)
 
     # ------------------------------------------------------------------ run directory and logging
@@ -227,7 +228,6 @@ def main(argv=None):
         from torch.utils.tensorboard import SummaryWriter
 
         writer = SummaryWriter(os.path.join(cfg.output_dir, "tb"), purge_step=start_step + 1)
-        per_epoch = train_stream.batches_per_rank_epoch()
         print(f"{cfg.model}: {n_params / 1e6:.2f}M params | ZeRO-{cfg.zero_stage} | {precision} | "
               f"world size {world_size} ({device.type}) | global batch {images_per_step} = {cfg.micro_batch_size} "
               f"micro x {cfg.grad_accum_steps} accum x {world_size} ranks | steps {start_step}->{cfg.max_steps} | "
@@ -292,7 +292,7 @@ def main(argv=None):
                   "ac/recompute_flops_frac": ac_plan["recompute_flops_fraction"]}
         if profiler is not None:  # profiling slows this step: the summary's images/s leaves it out
             record["mem/step_peak_alloc_bytes"] = peak - before
-        if per_epoch := train_stream.batches_per_rank_epoch():
+        if per_epoch:
             record["data/epoch"] = train_batches.state["batches"] / per_epoch
 
         if step == cfg.max_steps or (cfg.eval_every and step % cfg.eval_every == 0):

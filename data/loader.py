@@ -69,7 +69,7 @@ class ShardStream(torch.utils.data.IterableDataset):
                 raise DataError(f"epoch mode: {sum(self.counts)} samples over {consumers} consumers (ranks x "
                                 f"workers) leave less than one micro-batch of {micro_batch_size} each")
         else:
-            self.counts_by_source = [self._counts(s) if s.counts else None for s in sources]
+            self.counts_by_source = [s.counts for s in sources]  # None: unknown, counted once per shard on first draw
 
     @staticmethod
     def _counts(source):
@@ -112,8 +112,12 @@ class ShardStream(torch.utils.data.IterableDataset):
         draws, source = _rng(self.seed, "draw", consumer, s), self.sources[s]
         while True:
             shard = draws.randrange(len(source.urls))
+            if self.counts_by_source[s] is None:
+                self.counts_by_source[s] = [None] * len(source.urls)
             counts = self.counts_by_source[s]
-            size = counts[shard] if counts else count_samples(source.urls[shard])
+            if counts[shard] is None:  # a source without _info.json: read this shard once to count it
+                counts[shard] = count_samples(source.urls[shard])
+            size = counts[shard]
             if skip >= size:
                 skip -= size
                 continue

@@ -144,24 +144,23 @@ def profile_blocks(model, images: torch.Tensor) -> list[BlockProfile]:
     from torch.utils.flop_counter import FlopCounterMode
 
     blocks = find_blocks(model)
-    active = [None]
     saved = {b.name: {} for b in blocks}
     inputs = {}
     handles = []
     recorder = _OpRecorder()
     for b in blocks:
         def pre(module, args, name=b.name):
-            active[0] = recorder.block = name
+            recorder.block = name
             inputs[name] = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
 
         def post(module, args, output):
-            active[0] = recorder.block = None
+            recorder.block = None
         handles += [b.module.register_forward_pre_hook(pre), b.module.register_forward_hook(post)]
 
     def pack(t):
-        if active[0] is not None:
+        if recorder.block is not None:
             storage = t.untyped_storage()
-            saved[active[0]][storage.data_ptr()] = storage.nbytes()
+            saved[recorder.block][storage.data_ptr()] = storage.nbytes()
         return t
 
     flops = FlopCounterMode(display=False)
@@ -201,6 +200,16 @@ def default_hierarchical_k(profile: list[BlockProfile], by_stage: bool) -> int:
     return len(units)
 
 
+def kept_bytes(p: BlockProfile, how: str) -> int:
+    """Activation bytes block `p` keeps for the backward under `how` (offload keeps all, on the host)."""
+    return {"selective": p.bytes_selective, "full": p.bytes_full}.get(how, p.bytes_none)
+
+
+def recompute_cost(p: BlockProfile, how: str) -> int:
+    """Work the backward repeats for block `p` under `how`: FLOPs, plus one per element of the cheap ops."""
+    return {"selective": p.cheap_elems, "full": p.flops + p.cheap_elems}.get(how, 0)
+
+
 def plan_for_budget(profile: list[BlockProfile], activation_budget: int):
     """Per-block choice of none/selective/full with the least recompute whose activations fit the budget.
 
@@ -209,8 +218,6 @@ def plan_for_budget(profile: list[BlockProfile], activation_budget: int):
     Returns (plan, activation bytes, recompute FLOPs) or raises when even `full` everywhere does not fit.
     """
     levels = ("none", "selective", "full")
-    cost = {"none": 0, "selective": lambda p: p.cheap_elems, "full": lambda p: p.flops + p.cheap_elems}
-    size = {"none": lambda p: p.bytes_none, "selective": lambda p: p.bytes_selective, "full": lambda p: p.bytes_full}
     plan = ["none"] * len(profile)
     used = sum(p.bytes_none for p in profile)
     floor = sum(p.bytes_full for p in profile)
@@ -223,8 +230,8 @@ def plan_for_budget(profile: list[BlockProfile], activation_budget: int):
             if plan[i] == "full":
                 continue
             nxt = levels[levels.index(plan[i]) + 1]
-            saved = size[plan[i]](p) - size[nxt](p)
-            extra = cost[nxt](p) - (cost[plan[i]](p) if plan[i] != "none" else 0)
+            saved = kept_bytes(p, plan[i]) - kept_bytes(p, nxt)
+            extra = recompute_cost(p, nxt) - recompute_cost(p, plan[i])
             ratio = saved / max(extra, 1)
             if saved > 0 and (best is None or ratio > best[0]):
                 best = (ratio, i, nxt, saved)
@@ -232,8 +239,7 @@ def plan_for_budget(profile: list[BlockProfile], activation_budget: int):
             break
         _, i, nxt, saved = best
         plan[i], used = nxt, used - saved
-    recompute = sum(cost[c](p) if c != "none" else 0 for c, p in zip(plan, profile))
-    return plan, used, recompute
+    return plan, used, sum(recompute_cost(p, how) for p, how in zip(profile, plan))
 
 
 def apply_activation_checkpointing(model, ac: str, device_type: str, profile_images=None, fixed_bytes: int = 0,
@@ -267,13 +273,11 @@ def apply_activation_checkpointing(model, ac: str, device_type: str, profile_ima
             _wrap(block, how, profile[i].keep if profile is not None else None)
     result = {"ac": ac, "blocks": [{"name": b.name, "stage": b.stage, "policy": how} for b, how in zip(blocks, plan)]}
     if profile is not None:
-        size = {"none": "bytes_none", "selective": "bytes_selective", "full": "bytes_full", "offload": "bytes_none"}
         result["profile"] = [p.__dict__ for p in profile]
-        result["activation_bytes_planned"] = sum(getattr(p, size[h]) for p, h in zip(profile, plan))
+        result["activation_bytes_planned"] = sum(kept_bytes(p, how) for p, how in zip(profile, plan))
         result["activation_bytes_none"] = sum(p.bytes_none for p in profile)
         fwd = sum(p.flops for p in profile)
-        recompute = sum(p.flops + p.cheap_elems if h == "full" else p.cheap_elems if h == "selective" else 0
-                        for p, h in zip(profile, plan))
+        recompute = sum(recompute_cost(p, how) for p, how in zip(profile, plan))
         result["recompute_flops_fraction"] = recompute / (3 * fwd) if fwd else 0.0  # of forward + backward
         if name in ("auto", "hierarchical"):
             counts = {h: plan.count(h) for h in ("none", "selective", "full")}

@@ -10,6 +10,7 @@ import os
 import torch
 
 from config import Config, ConfigError
+from models.checkpointing import apply_activation_checkpointing, parse_policy
 
 DS_CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ds_configs")
 # parameters AdamW must not decay besides every 0-/1-d tensor (norms, biases); names as timm lists them
@@ -112,7 +113,7 @@ def build_ds_config(cfg: Config, hidden_size: int, world_size: int, precision: s
         # backward, so the recompute would add the bias a second time: gradients change. Measured on the
         # debug ViT under ZeRO-3: 1.5e-5 relative loss difference after 4 steps; with it off, bitwise equal.
         zero.setdefault("memory_efficient_linear", False)
-        if zero["memory_efficient_linear"] and cfg.ac.split(":")[0] in ("selective", "hierarchical", "auto"):
+        if zero["memory_efficient_linear"] and parse_policy(cfg.ac)[0] in ("selective", "hierarchical", "auto"):
             raise ConfigError(f"{where} sets zero_optimization.memory_efficient_linear = true, which corrupts ac "
                               f"'{cfg.ac}' (its in-place bias add into a kept matmul output): set it to false")
     leftover = [k for k, v in _walk(ds) if v == "auto"]
@@ -178,8 +179,6 @@ def parallelize(model: torch.nn.Module, cfg: Config, ds_config: dict, profile_im
     goes last so that its ZeRO hooks wrap whatever the blocks have become.
     """
     import deepspeed  # heavy import, only once we train
-
-    from models.checkpointing import apply_activation_checkpointing
 
     fixed = fixed_memory_bytes(sum(p.numel() for p in model.parameters()), cfg.zero_stage, world_size, precision,
                                ds_config)
