@@ -71,6 +71,9 @@ def test_profile_counts_blocks_flops_and_bytes(vit_small):
     linear_flops = 2 * tokens * hidden * (4 * hidden + 2 * 4 * hidden)  # qkv + out, fc1 + fc2
     assert p.flops == pytest.approx(linear_flops, rel=0.1)  # plus attention, a few percent at 65 tokens
     assert p.bytes_full == tokens * hidden * 4  # the block input, fp32
+    # compute ops in forward order: q, k, v, attention, out-projection, fc1, fc2. The backward needs all but
+    # the out-projection's and fc2's outputs, in every block (address reuse once made this vary by process)
+    assert all(b.keep == [True, True, True, True, False, True, False] for b in profile)
 
 
 def synthetic_profile():
