@@ -33,6 +33,7 @@ COMPUTE_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddb
                aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
                aten._scaled_dot_product_cudnn_attention.default,
                aten._scaled_dot_product_flash_attention_for_cpu.default}
+PROFILE_BATCH = 2  # images the one-batch profile runs; its figures are scaled to the micro-batch
 POLICIES = ("none", "full", "every_n:K", "selective", "hierarchical[:K]", "offload", "auto:BUDGET_GB")
 
 
@@ -117,6 +118,13 @@ class BlockProfile:
     cheap_elems: int  # elements produced by the other ops: what selective recompute repeats
     keep: list  # per compute op in forward order: is its output saved for the backward by a later op?
 
+    def scaled(self, factor: float) -> "BlockProfile":
+        """The profile of a batch `factor` times larger: every saved activation, FLOP and element of a ViT
+        or Swin block is proportional to the batch (the weights, which are not, are not counted)."""
+        return BlockProfile(self.name, self.stage, round(self.bytes_none * factor), round(self.bytes_selective * factor),
+                            round(self.bytes_full * factor), round(self.flops * factor),
+                            round(self.cheap_elems * factor), self.keep)
+
 
 class _OpRecorder(torch.utils._python_dispatch.TorchDispatchMode):
     """Bytes of compute-op outputs and element counts of the other ops, per active block."""
@@ -146,8 +154,11 @@ class _OpRecorder(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def profile_blocks(model, images: torch.Tensor) -> list[BlockProfile]:
-    """One forward of the unwrapped model: saved-tensor bytes (unique storages), FLOPs and cheap-op work per block."""
+    """One forward of the unwrapped model: saved-tensor bytes (unique storages; activations only, not the
+    weights the matmuls also save), FLOPs and cheap-op work per block."""
     from torch.utils.flop_counter import FlopCounterMode
+
+    weights = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
 
     blocks = find_blocks(model)
     saved = {b.name: {} for b in blocks}
@@ -164,7 +175,7 @@ def profile_blocks(model, images: torch.Tensor) -> list[BlockProfile]:
         handles += [b.module.register_forward_pre_hook(pre), b.module.register_forward_hook(post)]
 
     def pack(t):
-        if recorder.block is not None:
+        if recorder.block is not None and t.untyped_storage().data_ptr() not in weights:
             storage = t.untyped_storage()
             saved[recorder.block][storage.data_ptr()] = storage.nbytes()
         return t
@@ -260,7 +271,11 @@ def apply_activation_checkpointing(model, ac: str, device_type: str, profile_ima
         raise ConfigError(f"ac '{ac}': no transformer blocks found in {type(model).__name__}")
     profile = None
     if name in ("hierarchical", "auto") or profile_images is not None:
-        profile = profile_blocks(model, profile_images)
+        # Profile a small slice of the batch and scale: bytes and FLOPs are exact (tested), and it keeps the
+        # profile's own activations (and the compute outputs it holds) from becoming the process's peak
+        # memory (measured on ViT-S, batch 32: +1.1 GiB at startup when profiled at full batch).
+        small = profile_images[:PROFILE_BATCH]
+        profile = [p.scaled(len(profile_images) / len(small)) for p in profile_blocks(model, small)]
     if name == "none":
         plan = ["none"] * len(blocks)
     elif name in ("full", "selective", "offload"):

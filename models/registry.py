@@ -31,6 +31,9 @@ SWIN_SIZES = {
     "swin-small": (96, (2, 2, 18, 2), (3, 6, 12, 24), 7, 4),
     "swin-base": (128, (2, 2, 18, 2), (4, 8, 16, 32), 7, 4),
     "swin-large": (192, (2, 2, 18, 2), (6, 12, 24, 48), 7, 4),
+    # Swin-T's widths, depths and heads with 4x4 windows: at 128x128 its stages are 32, 16, 8 and 4
+    # tokens wide, the CPU-sized Swin-T of the benchmark suite (7x7 windows need 224x224)
+    "swin-tiny-w4": (96, (2, 2, 6, 2), (3, 6, 12, 24), 4, 4),
 }
 NAMES = (*VIT_SIZES, *SWIN_SIZES)
 
@@ -47,15 +50,31 @@ def model_config(name: str, num_labels: int, image_size: int, patch_size: int = 
                          **label_args)
     if name in SWIN_SIZES:
         dim, depths, heads, window, patch = SWIN_SIZES[name]
-        return SwinConfig(embed_dim=dim, depths=list(depths), num_heads=list(heads), window_size=window,
-                          image_size=image_size, patch_size=patch_size or patch, **label_args)
+        config = SwinConfig(embed_dim=dim, depths=list(depths), num_heads=list(heads), window_size=window,
+                            image_size=image_size, patch_size=patch_size or patch, **label_args)
+        _check_swin_stages(config)
+        return config
     if os.path.isfile(os.path.join(name, "config.json")):
         overrides = dict(label_args, image_size=image_size)
         if patch_size:
             overrides["patch_size"] = patch_size
-        return AutoConfig.from_pretrained(name, **overrides)
+        config = AutoConfig.from_pretrained(name, **overrides)
+        if config.model_type == "swin":
+            _check_swin_stages(config)
+        return config
     raise ValueError(f"unknown model '{name}': not a registry name ({', '.join(NAMES)}) "
                      f"nor a local directory holding config.json")
+
+
+def _check_swin_stages(config):
+    """transformers 5.24's Swin shrinks the window of a stage smaller than it, but keeps the relative
+    position table of the full window, and the forward fails with a shape error: refuse it here."""
+    sides = [config.image_size // config.patch_size // 2**i for i in range(len(config.depths))]
+    if min(sides) < config.window_size:
+        raise ValueError(f"Swin with image_size {config.image_size}, patch_size {config.patch_size} has stages "
+                         f"{'/'.join(map(str, sides))} tokens wide, and the last is narrower than its "
+                         f"{config.window_size}x{config.window_size} window: use image_size >= "
+                         f"{config.patch_size * 2 ** (len(config.depths) - 1) * config.window_size}")
 
 
 def build_model(name: str, num_labels: int, image_size: int, patch_size: int = 0, class_names=None):

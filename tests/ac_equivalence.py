@@ -16,8 +16,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from config import Config  # noqa: E402
 from models import build_model  # noqa: E402
-from models.checkpointing import apply_activation_checkpointing, profile_blocks  # noqa: E402
-from models.parallelize import build_ds_config, param_groups, release_deepspeed_shm  # noqa: E402
+from models.checkpointing import profile_blocks  # noqa: E402
+from models.parallelize import build_ds_config, fixed_memory_bytes, parallelize, release_deepspeed_shm  # noqa: E402
 
 stage, out = [int(a) if a.isdigit() else a for a in sys.argv[1:] if not a.startswith("--local_rank")]
 deepspeed.init_distributed()
@@ -30,14 +30,16 @@ for name in ("vit-debug", "swin-debug"):
     probe, _ = build_model(name, 10, 16)
     images = torch.randn(8, 3, 16, 16)
     prof = profile_blocks(probe, images)
-    mid = (sum(p.bytes_none for p in prof) + sum(p.bytes_full for p in prof)) / 2 / 2**30
+    cfg = Config(zero_stage=stage, micro_batch_size=8, lr=1e-3, warmup_steps=1, max_steps=4, weight_decay=0.05)
+    ds = build_ds_config(cfg, probe.config.hidden_size, world, "fp32")
+    fixed = fixed_memory_bytes(sum(p.numel() for p in probe.parameters()), stage, world, "fp32", ds)
+    mid = (fixed + (sum(p.bytes_none for p in prof) + sum(p.bytes_full for p in prof)) / 2) / 2**30
     for ac in ("none", "full", "every_n:2", "selective", "hierarchical", f"auto:{mid:.9f}"):
         torch.manual_seed(0)
         model, _ = build_model(name, 10, 16)
-        plan = apply_activation_checkpointing(model, ac, "cpu", images, log=lambda *a: None)
-        cfg = Config(zero_stage=stage, micro_batch_size=8, lr=1e-3, warmup_steps=1, max_steps=4)
-        ds = build_ds_config(cfg, model.config.hidden_size, world, "fp32")
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, 0.05), config=ds)
+        cfg.ac = ac
+        # train.py's own wrapping: activation checkpointing, then DeepSpeed, then its ZeRO-3 linear fix
+        engine, plan = parallelize(model, cfg, ds, images, world, "fp32", "cpu", log=lambda *a: None)
         torch.manual_seed(1)  # once: drop path draws the same numbers whatever the policy
         losses = []
         for step in range(4):

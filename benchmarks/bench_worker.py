@@ -1,0 +1,235 @@
+"""One benchmark configuration as one distributed job: DeepSpeed through train.py's own wrapping, or FSDP2.
+
+    torchrun --nproc_per_node 2 benchmarks/bench_worker.py --spec '{"engine": "deepspeed", "zero": 3, ...}' \
+        --out result.json
+
+`train_bench.py` launches it; every field of the spec is listed in `Spec`. The job:
+  1. starts the profiler (memory events only matter) before the model exists, builds the model from the
+     seed, wraps it, and runs `profiled_steps` steps under it: the peak "Total Allocated" of that window is
+     the rank's peak memory, weights, gradients, optimizer states, buffers and activations included;
+     the last profiled step also counts the FLOPs the hardware executes (recompute included);
+  2. stops the profiler and times `timed_steps` further steps with perf_counter.
+Every engine sees the same initial weights and the same batches (random images drawn from the seed, the
+rank and the step), so the losses agree across engines up to fp32 summation order.
+"""
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import resource
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from config import Config  # noqa: E402
+from models import build_model, model_config  # noqa: E402
+from models.blocks import find_blocks  # noqa: E402
+from models.parallelize import (build_ds_config, lr_schedule, param_groups, parallelize,  # noqa: E402
+                                release_deepspeed_shm)
+
+
+@dataclass
+class Spec:
+    engine: str = "deepspeed"  # deepspeed | fsdp2
+    model: str = "vit-debug"
+    image_size: int = 16
+    patch_size: int = 0
+    micro_batch_size: int = 8
+    zero: int = 3  # deepspeed: ZeRO stage
+    ac: str = "none"  # deepspeed: this project's policy; fsdp2: none | full | every_n:K (Hugging Face's own)
+    reshard: bool = True  # fsdp2: reshard_after_forward (True ~ ZeRO-3, False ~ ZeRO-2)
+    profiled_steps: int = 2  # the first steps, under the memory profiler (they also warm up)
+    timed_steps: int = 3
+    count_flops: bool = True  # one extra, untimed step under torch's FLOP counter (recompute included)
+    seed: int = 0
+    num_labels: int = 10
+
+
+def batch(spec: Spec, rank: int, step: int):
+    g = torch.Generator().manual_seed(spec.seed * 1_000_003 + rank * 1009 + step)
+    images = torch.randn(spec.micro_batch_size, 3, spec.image_size, spec.image_size, generator=g)
+    return images, torch.randint(0, spec.num_labels, (spec.micro_batch_size,), generator=g)
+
+
+def run_config(spec: Spec) -> Config:
+    """The run config every engine trains with: train.py's defaults (AdamW, lr 2e-3, weight decay 0.05 off
+    norms and biases, clipping at 1.0, label smoothing 0.1), the spec's shape, and a warm-up that lasts
+    past the few steps of a job."""
+    return Config(model=spec.model, num_labels=spec.num_labels, image_size=spec.image_size,
+                  patch_size=spec.patch_size, zero_stage=spec.zero, ac=spec.ac if spec.engine == "deepspeed" else "none",
+                  micro_batch_size=spec.micro_batch_size, warmup_steps=20, max_steps=100,
+                  seed=spec.seed, precision="fp32")
+
+
+class FSDP2Step:
+    """Plain PyTorch FSDP2 as its users write it: fully_shard per block and the root, torch AdamW,
+    Hugging Face's own activation checkpointing."""
+
+    def __init__(self, model, cfg: Config, spec: Spec):
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if spec.ac != "none":
+            every = int(spec.ac.split(":")[1]) if spec.ac.startswith("every_n:") else 1
+            if spec.ac not in ("full",) and not spec.ac.startswith("every_n:"):
+                raise ValueError(f"fsdp2 runs Hugging Face's checkpointing: ac full or every_n:K, not {spec.ac}")
+            model.activation_checkpointing_enable(every_n_layers=every)
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for block in find_blocks(model):
+            fully_shard(block.module, mesh=mesh, reshard_after_forward=spec.reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=spec.reshard)
+        self.model, self.cfg = model, cfg
+        self.opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                     eps=1e-8)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_schedule(cfg))
+
+    def forward(self, images, labels):
+        return F.cross_entropy(self.model(images).logits.float(), labels, label_smoothing=self.cfg.label_smoothing)
+
+    def backward_step(self, loss):
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+
+
+class DeepSpeedStep:
+    """train.py's path: build_ds_config, parallelize (activation checkpointing, then DeepSpeed), and its loop body."""
+
+    def __init__(self, model, cfg: Config, spec: Spec, world_size: int):
+        hidden = model_config(spec.model, spec.num_labels, spec.image_size, spec.patch_size).hidden_size
+        ds_config = build_ds_config(cfg, hidden, world_size, "fp32")
+        profile_images = torch.randn(cfg.micro_batch_size, 3, cfg.image_size, cfg.image_size,
+                                     generator=torch.Generator().manual_seed(cfg.seed))
+        self.engine, self.plan = parallelize(model, cfg, ds_config, profile_images, world_size, "fp32", "cpu",
+                                             log=lambda *a: None)
+        self.cfg = cfg
+
+    def forward(self, images, labels):
+        return F.cross_entropy(self.engine(images).logits.float(), labels, label_smoothing=self.cfg.label_smoothing)
+
+    def backward_step(self, loss):
+        self.engine.backward(loss)
+        self.engine.step()
+
+
+def memory_phases(profiler) -> dict:
+    """Per marked phase ("bench/..." record_function ranges): bytes allocated when it starts, its peak, and
+    what it leaves allocated, from the profiler's "[memory]" events ("Total Allocated" counts everything
+    allocated since the profiler started, i.e. before the model existed)."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        profiler.export_chrome_trace(f.name)
+        with open(f.name) as trace:
+            events = json.load(trace)["traceEvents"]
+    memory = sorted((e["ts"], e["args"]["Total Allocated"]) for e in events if e.get("name") == "[memory]")
+    phases = {}
+    for e in events:
+        if e.get("name", "").startswith("bench/") and e.get("ph") == "X":
+            start, end = e["ts"], e["ts"] + e["dur"]
+            inside = [v for t, v in memory if start <= t <= end]
+            before = [v for t, v in memory if t < start]
+            at_start = before[-1] if before else 0
+            phases[e["name"][6:]] = {"start": at_start, "peak": max(inside + [at_start]),
+                                     "end": inside[-1] if inside else at_start}
+    return phases
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--spec", required=True, help="JSON object with the fields of Spec")
+    parser.add_argument("--out", required=True, help="rank 0 writes the result JSON here")
+    args = parser.parse_args()
+    spec = Spec(**json.loads(args.spec))
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    warnings.filterwarnings("ignore")
+    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.utils.flop_counter import FlopCounterMode
+
+    if spec.engine == "deepspeed":
+        import logging
+
+        import deepspeed
+
+        deepspeed.utils.logger.setLevel(logging.WARNING)
+        deepspeed.init_distributed()
+        dist.barrier()
+        release_deepspeed_shm(rank)
+    else:
+        dist.init_process_group("gloo")
+    cfg = run_config(spec)
+
+    profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    profiler.__enter__()
+    torch.manual_seed(spec.seed)
+    with record_function("bench/build"):
+        model, _ = build_model(spec.model, spec.num_labels, spec.image_size, spec.patch_size)
+    with record_function("bench/wrap"):
+        step_fn = DeepSpeedStep(model, cfg, spec, world_size) if spec.engine == "deepspeed" \
+            else FSDP2Step(model, cfg, spec)
+    losses, times, hardware_flops = [], [], 0
+    # steps: the profiled ones, then one under the FLOP counter (its dispatch mode changes what stays
+    # allocated, so it must not run under the memory profiler), then the timed ones
+    flop_step = spec.profiled_steps + 1 if spec.count_flops else 0
+    for step in range(1, spec.profiled_steps + bool(flop_step) + spec.timed_steps + 1):
+        images, labels = batch(spec, rank, step)
+        if step == spec.profiled_steps + 1:  # profiling done: stop it before the timed steps
+            profiler.__exit__(None, None, None)
+            dist.barrier()
+        counter = FlopCounterMode(display=False) if step == flop_step else contextlib.nullcontext()
+        start = time.perf_counter()
+        with counter, record_function(f"bench/step{step}"):
+            with record_function("bench/forward" if step == spec.profiled_steps else f"bench/forward{step}"):
+                loss = step_fn.forward(images, labels)
+            step_fn.backward_step(loss)
+        if step == flop_step:
+            hardware_flops = counter.get_total_flops()
+        loss = loss.detach()
+        dist.all_reduce(loss)  # also the end of the step on every rank
+        times.append(time.perf_counter() - start)
+        losses.append(loss.item() / world_size)
+
+    phases = memory_phases(profiler)
+    peak = max(p["peak"] for p in phases.values())
+    last = phases[f"step{spec.profiled_steps}"]
+    figures = torch.tensor([peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, hardware_flops,
+                            last["peak"] - last["start"], phases["forward"]["end"] - phases["forward"]["start"],
+                            phases["build"]["peak"], phases["wrap"]["peak"], phases["step1"]["peak"], last["peak"]],
+                           dtype=torch.float64)
+    gathered = [torch.zeros_like(figures) for _ in range(world_size)]
+    dist.all_gather(gathered, figures)
+    if rank == 0:
+        timed = times[spec.profiled_steps + bool(flop_step):]
+        global_batch = spec.micro_batch_size * world_size
+        result = {"spec": dataclasses.asdict(spec), "world_size": world_size,
+                  "threads_per_rank": torch.get_num_threads(), "step_seconds": timed,
+                  "images_per_sec": global_batch * len(timed) / sum(timed), "losses": losses,
+                  "peak_alloc_bytes": [int(g[0]) for g in gathered], "max_rss_bytes": [int(g[1]) for g in gathered],
+                  "hardware_flops_per_step": sum(float(g[2]) for g in gathered),
+                  # the last profiled step: its peak above what was allocated when it began (weights,
+                  # gradients and optimizer states excluded), and what its forward left for the backward
+                  "step_peak_bytes": [int(g[3]) for g in gathered], "activation_bytes": [int(g[4]) for g in gathered],
+                  "peak_by_phase": {k: [int(g[5 + i]) for g in gathered]
+                                    for i, k in enumerate(("build", "wrap", "first step", "steady step"))}}
+        if spec.engine == "deepspeed":
+            plan = step_fn.plan
+            result["ac_plan"] = {k: plan.get(k) for k in ("activation_bytes_planned", "activation_bytes_none",
+                                                         "recompute_flops_fraction", "fixed_bytes_estimate")}
+            result["ac_plan"]["blocks"] = [b["policy"] for b in plan["blocks"]]
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
