@@ -73,7 +73,7 @@ class FSDP2Step:
     Hugging Face's own activation checkpointing."""
 
     def __init__(self, model, cfg: Config, spec: Spec):
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from torch.distributed.device_mesh import init_device_mesh
 
         if spec.ac != "none":
@@ -81,10 +81,16 @@ class FSDP2Step:
             if spec.ac not in ("full",) and not spec.ac.startswith("every_n:"):
                 raise ValueError(f"fsdp2 runs Hugging Face's checkpointing: ac full or every_n:K, not {spec.ac}")
             model.activation_checkpointing_enable(every_n_layers=every)
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        cuda = torch.cuda.is_available()
+        mesh = init_device_mesh("cuda" if cuda else "cpu", (dist.get_world_size(),))
+        # GPUs: bf16 compute, fp32 gradient reduction and master weights, as DeepSpeed's bf16 mode
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda \
+            else MixedPrecisionPolicy()
+        if cuda:
+            model.to(torch.cuda.current_device())
         for block in find_blocks(model):
-            fully_shard(block.module, mesh=mesh, reshard_after_forward=spec.reshard)
-        fully_shard(model, mesh=mesh, reshard_after_forward=spec.reshard)
+            fully_shard(block.module, mesh=mesh, reshard_after_forward=spec.reshard, mp_policy=mp)
+        fully_shard(model, mesh=mesh, reshard_after_forward=spec.reshard, mp_policy=mp)
         self.model, self.cfg = model, cfg
         self.opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                      eps=1e-8)
@@ -106,15 +112,18 @@ class DeepSpeedStep:
 
     def __init__(self, model, cfg: Config, spec: Spec, world_size: int):
         hidden = model_config(spec.model, spec.num_labels, spec.image_size, spec.patch_size).hidden_size
-        ds_config = build_ds_config(cfg, hidden, world_size, "fp32")
+        precision = "bf16" if torch.cuda.is_available() else "fp32"
+        ds_config = build_ds_config(cfg, hidden, world_size, precision)
         profile_images = torch.randn(cfg.micro_batch_size, 3, cfg.image_size, cfg.image_size,
                                      generator=torch.Generator().manual_seed(cfg.seed))
-        self.engine, self.plan = parallelize(model, cfg, ds_config, profile_images, world_size, "fp32", "cpu",
-                                             log=lambda *a: None)
+        self.engine, self.plan = parallelize(model, cfg, ds_config, profile_images, world_size, precision,
+                                             "cuda" if torch.cuda.is_available() else "cpu", log=lambda *a: None)
+        self.dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         self.cfg = cfg
 
     def forward(self, images, labels):
-        return F.cross_entropy(self.engine(images).logits.float(), labels, label_smoothing=self.cfg.label_smoothing)
+        logits = self.engine(images.to(self.dtype)).logits.float()
+        return F.cross_entropy(logits, labels, label_smoothing=self.cfg.label_smoothing)
 
     def backward_step(self, loss):
         self.engine.backward(loss)
@@ -131,6 +140,9 @@ def memory_phases(profiler) -> dict:
         profiler.export_chrome_trace(f.name)
         with open(f.name) as trace:
             events = json.load(trace)["traceEvents"]
+    if os.environ.get("BENCH_TRACE_DIR"):  # keep the rank's trace, to see what holds the memory
+        with open(os.path.join(os.environ["BENCH_TRACE_DIR"], f"trace_rank{dist.get_rank()}.json"), "w") as f:
+            json.dump(events, f)
     memory = sorted((e["ts"], e["args"]["Total Allocated"]) for e in events if e.get("name") == "[memory]")
     phases = {}
     for e in events:
@@ -155,6 +167,10 @@ def main():
     from torch.profiler import ProfilerActivity, profile, record_function
     from torch.utils.flop_counter import FlopCounterMode
 
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
     if spec.engine == "deepspeed":
         import logging
 
@@ -165,10 +181,12 @@ def main():
         dist.barrier()
         release_deepspeed_shm(rank)
     else:
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if cuda else "gloo")
     cfg = run_config(spec)
 
-    profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    # CPU: the profiler's memory events are the only allocator record; GPU: the caching allocator's counters
+    profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True) if not cuda \
+        else contextlib.nullcontext()
     profiler.__enter__()
     torch.manual_seed(spec.seed)
     with record_function("bench/build"):
@@ -181,10 +199,16 @@ def main():
     # allocated, so it must not run under the memory profiler), then the timed ones
     flop_step = spec.profiled_steps + 1 if spec.count_flops else 0
     for step in range(1, spec.profiled_steps + bool(flop_step) + spec.timed_steps + 1):
-        images, labels = batch(spec, rank, step)
+        images, labels = (t.to(device) for t in batch(spec, rank, step))
+        if step == 1 and cuda:
+            setup_peak = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
         if step == spec.profiled_steps + 1:  # profiling done: stop it before the timed steps
             profiler.__exit__(None, None, None)
             dist.barrier()
+            if cuda:
+                step_peak = torch.cuda.max_memory_allocated()
+                reserved = torch.cuda.max_memory_reserved()
         counter = FlopCounterMode(display=False) if step == flop_step else contextlib.nullcontext()
         start = time.perf_counter()
         with counter, record_function(f"bench/step{step}"):
@@ -198,28 +222,32 @@ def main():
         times.append(time.perf_counter() - start)
         losses.append(loss.item() / world_size)
 
-    phases = memory_phases(profiler)
-    peak = max(p["peak"] for p in phases.values())
-    last = phases[f"step{spec.profiled_steps}"]
-    figures = torch.tensor([peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, hardware_flops,
-                            last["peak"] - last["start"], phases["forward"]["end"] - phases["forward"]["start"],
-                            phases["build"]["peak"], phases["wrap"]["peak"], phases["step1"]["peak"], last["peak"]],
-                           dtype=torch.float64)
+    if cuda:  # activation and per-step figures need the CPU profiler's timeline: not recorded on GPU
+        figures = [step_peak, setup_peak, reserved, 0, 0]
+    else:
+        phases = memory_phases(profiler)
+        steps = [phases[f"step{i}"] for i in range(1, spec.profiled_steps + 1)]
+        last = steps[-1]
+        figures = [max(p["peak"] for p in steps), max(phases["build"]["peak"], phases["wrap"]["peak"]), 0,
+                   last["peak"] - last["start"], phases["forward"]["end"] - phases["forward"]["start"]]
+    figures = torch.tensor(figures + [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, hardware_flops],
+                           dtype=torch.float64, device=device)
     gathered = [torch.zeros_like(figures) for _ in range(world_size)]
     dist.all_gather(gathered, figures)
     if rank == 0:
         timed = times[spec.profiled_steps + bool(flop_step):]
         global_batch = spec.micro_batch_size * world_size
-        result = {"spec": dataclasses.asdict(spec), "world_size": world_size,
+        column = lambda i: [int(g[i]) for g in gathered]  # noqa: E731  one figure, every rank
+        result = {"spec": dataclasses.asdict(spec), "world_size": world_size, "device": device.type,
                   "threads_per_rank": torch.get_num_threads(), "step_seconds": timed,
                   "images_per_sec": global_batch * len(timed) / sum(timed), "losses": losses,
-                  "peak_alloc_bytes": [int(g[0]) for g in gathered], "max_rss_bytes": [int(g[1]) for g in gathered],
-                  "hardware_flops_per_step": sum(float(g[2]) for g in gathered),
-                  # the last profiled step: its peak above what was allocated when it began (weights,
-                  # gradients and optimizer states excluded), and what its forward left for the backward
-                  "step_peak_bytes": [int(g[3]) for g in gathered], "activation_bytes": [int(g[4]) for g in gathered],
-                  "peak_by_phase": {k: [int(g[5 + i]) for g in gathered]
-                                    for i, k in enumerate(("build", "wrap", "first step", "steady step"))}}
+                  # the training steps' peak allocation (weights, gradients, optimizer states, buffers and
+                  # activations); the setup's (building and wrapping the model) is reported beside it
+                  "peak_alloc_bytes": column(0), "setup_peak_bytes": column(1), "peak_reserved_bytes": column(2),
+                  # the last profiled step's peak above what was allocated when it began, and what its forward
+                  # left allocated for the backward (CPU only)
+                  "step_peak_bytes": column(3), "activation_bytes": column(4), "max_rss_bytes": column(5),
+                  "hardware_flops_per_step": sum(float(g[6]) for g in gathered)}
         if spec.engine == "deepspeed":
             plan = step_fn.plan
             result["ac_plan"] = {k: plan.get(k) for k in ("activation_bytes_planned", "activation_bytes_none",

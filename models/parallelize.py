@@ -10,7 +10,7 @@ import os
 import torch
 
 from config import Config, ConfigError
-from models.checkpointing import apply_activation_checkpointing
+from models.checkpointing import apply_activation_checkpointing, parse_policy
 
 DS_CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ds_configs")
 # parameters AdamW must not decay besides every 0-/1-d tensor (norms, biases); names as timm lists them
@@ -104,6 +104,16 @@ def build_ds_config(cfg: Config, hidden_size: int, world_size: int, precision: s
         "stage3_prefetch_bucket_size": int(0.9 * max(hidden_size * hidden_size, 2**20)),
         "stage3_param_persistence_threshold": 10 * hidden_size,
     }
+    # DeepSpeed's defaults (1e9 elements each) keep every gathered parameter alive from its forward to its
+    # backward: a full unsharded copy of the model per rank (measured on ViT-S: 67 MiB more than FSDP2
+    # through the forward). About one block's worth (~12 h^2 parameters) releases a block's weights after
+    # its forward and keeps them between a checkpointed block's recompute and its backward. Selective
+    # checkpointing cannot have it: torch's selective checkpoint replays the forward's exact op sequence,
+    # and the recompute would run ZeRO-3's gather ops (cat, slice) inside the checkpointed region where the
+    # forward did not (measured: "aten.cat.default encountered during backward but not found in storage").
+    selective = parse_policy(cfg.ac)[0] in ("selective", "hierarchical", "auto")
+    auto_sizes["stage3_max_live_parameters"] = 10**9 if selective else 2 * 12 * hidden_size * hidden_size
+    auto_sizes["stage3_max_reuse_distance"] = 10**9 if selective else 12 * hidden_size * hidden_size
     for key, value in auto_sizes.items():
         if zero.get(key) == "auto":
             zero[key] = value
@@ -147,17 +157,22 @@ def fixed_memory_bytes(n_params: int, zero_stage: int, world_size: int, precisio
     """Per-rank bytes that do not depend on the batch: weights, gradients, AdamW states and buckets.
 
     ZeRO's accounting (Rajbhandari et al. 2020): with Adam in mixed precision, 2 bytes of weights, 2 of
-    gradients and 12 of fp32 master weights and moments per parameter; in fp32, 4 + 4 + 8. Stage 1
-    partitions the optimizer states over ranks, stage 2 also the gradients, stage 3 also the weights.
+    gradients and 12 of fp32 master weights and moments per parameter. DeepSpeed keeps the fp32 master
+    partition in fp32 training too (a copy of the weights: seen in the profiler as a `clone` at
+    initialisation), so fp32 is 4 + 4 + 12. Stage 1 partitions the optimizer states over ranks, stage 2
+    also the gradients, stage 3 also the weights. A bucket never holds more than the model.
     """
     weight = grad = 2 if precision in ("bf16", "fp16") else 4
-    states = 12 if precision in ("bf16", "fp16") else 8
+    states = 12
     n = world_size
     per_param = {1: weight + grad + states / n, 2: weight + (grad + states) / n, 3: (weight + grad + states) / n}
     zero = ds_config.get("zero_optimization", {})
-    buckets = 4 * (zero.get("reduce_bucket_size", 0) + zero.get("allgather_bucket_size", 0) * (zero_stage < 3)
-                   + zero.get("stage3_prefetch_bucket_size", 0) * (zero_stage == 3))
-    return int(n_params * per_param[zero_stage] + buckets)
+    sizes = [zero.get("reduce_bucket_size", 0), zero.get("allgather_bucket_size", 0) * (zero_stage < 3),
+             zero.get("stage3_prefetch_bucket_size", 0) * (zero_stage == 3)]
+    buckets = 4 * sum(min(size, n_params) for size in sizes)
+    # ZeRO-3 keeping gathered weights from forward to backward (see build_ds_config) holds the whole model
+    gathered = weight * n_params if zero_stage == 3 and zero.get("stage3_max_reuse_distance", 0) >= n_params else 0
+    return int(n_params * per_param[zero_stage] + buckets + gathered)
 
 
 def parallelize(model: torch.nn.Module, cfg: Config, ds_config: dict, profile_images: torch.Tensor,

@@ -11,8 +11,8 @@ from conftest import BIN, REPO, free_port, launch, read_metrics
 from config import ConfigError
 from models import build_model, find_blocks
 from models.checkpointing import (BlockProfile, apply_activation_checkpointing, default_hierarchical_k,
-                                  measure_activation_bytes, parse_policy, plan_for_budget, profile_blocks,
-                                  PROFILE_BATCH)
+                                  measure_activation_bytes, memory_trace, parse_policy, plan_for_budget,
+                                  profile_blocks, PROFILE_BATCH)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -93,6 +93,17 @@ def test_small_batch_profile_scales_exactly(name):
         assert s.cheap_elems == pytest.approx(f.cheap_elems, rel=0.1)
     # weights are not activations: a block's saved bytes hold no parameter storage
     assert full[0].bytes_none % 8 == 0 and full[0].bytes_none > 0
+
+
+def test_profile_leaves_nothing_allocated():
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model, _ = build_model("vit-debug", 10, 16)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        profile_blocks(model, torch.randn(4, 3, 16, 16))
+    before, peak, after = memory_trace(prof)
+    assert peak > before and after == before
 
 
 def synthetic_profile():
