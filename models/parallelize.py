@@ -105,15 +105,11 @@ def build_ds_config(cfg: Config, hidden_size: int, world_size: int, precision: s
         "stage3_param_persistence_threshold": 10 * hidden_size,
     }
     # DeepSpeed's defaults (1e9 elements each) keep every gathered parameter alive from its forward to its
-    # backward: a full unsharded copy of the model per rank (measured on ViT-S: 67 MiB more than FSDP2
-    # through the forward). About one block's worth (~12 h^2 parameters) releases a block's weights after
-    # its forward and keeps them between a checkpointed block's recompute and its backward. Selective
-    # checkpointing cannot have it: torch's selective checkpoint replays the forward's exact op sequence,
-    # and the recompute would run ZeRO-3's gather ops (cat, slice) inside the checkpointed region where the
-    # forward did not (measured: "aten.cat.default encountered during backward but not found in storage").
-    selective = parse_policy(cfg.ac)[0] in ("selective", "hierarchical", "auto")
-    auto_sizes["stage3_max_live_parameters"] = 10**9 if selective else 2 * 12 * hidden_size * hidden_size
-    auto_sizes["stage3_max_reuse_distance"] = 10**9 if selective else 12 * hidden_size * hidden_size
+    # backward: a full unsharded copy of the model per rank (measured on ViT-S: 82 MiB more activation
+    # memory than FSDP2). About one block's worth (~12 h^2 parameters) frees a block's weights after its
+    # forward and keeps them between a checkpointed block's recompute and its backward.
+    auto_sizes["stage3_max_live_parameters"] = 2 * 12 * hidden_size * hidden_size
+    auto_sizes["stage3_max_reuse_distance"] = 12 * hidden_size * hidden_size
     for key, value in auto_sizes.items():
         if zero.get(key) == "auto":
             zero[key] = value
@@ -170,7 +166,7 @@ def fixed_memory_bytes(n_params: int, zero_stage: int, world_size: int, precisio
     sizes = [zero.get("reduce_bucket_size", 0), zero.get("allgather_bucket_size", 0) * (zero_stage < 3),
              zero.get("stage3_prefetch_bucket_size", 0) * (zero_stage == 3)]
     buckets = 4 * sum(min(size, n_params) for size in sizes)
-    # ZeRO-3 keeping gathered weights from forward to backward (see build_ds_config) holds the whole model
+    # ZeRO-3 keeping gathered weights from forward to backward (a template's own large reuse distance)
     gathered = weight * n_params if zero_stage == 3 and zero.get("stage3_max_reuse_distance", 0) >= n_params else 0
     return int(n_params * per_param[zero_stage] + buckets + gathered)
 
@@ -198,7 +194,40 @@ def parallelize(model: torch.nn.Module, cfg: Config, ds_config: dict, profile_im
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_schedule(cfg)),
     )
     _make_zero3_linear_out_of_place()
+    if engine.zero_optimization_partition_weights() and "selective" in {b["policy"] for b in ac_plan["blocks"]}:
+        _hide_zero3_gathers_from_selective_checkpointing(model, ac_plan)
     return engine, ac_plan
+
+
+def _hide_zero3_gathers_from_selective_checkpointing(model, ac_plan):
+    """Run ZeRO-3's module hooks (parameter gather and release) outside torch's dispatch modes in selective blocks.
+
+    Torch's selective checkpointing records every op of a block's forward and requires its recompute to
+    replay exactly those ops. ZeRO-3 gathers a released parameter with `cat`/`slice` ops in each
+    sub-module's pre-forward hook, inside the block: the forward found some parameters prefetched and the
+    recompute has to gather them, so the sequences differ ("aten.cat.default encountered during backward but
+    not found in storage"). These hooks compute nothing the gradients depend on; hidden from the modes,
+    they are invisible to the checkpoint (and to FLOP counters), and ZeRO-3 may release the weights after
+    each forward instead of keeping the whole model gathered until the backward.
+    """
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def hidden(hook):
+        def run(*args, **kwargs):
+            with _disable_current_modes():
+                return hook(*args, **kwargs)
+        run._zero3_hidden = True
+        return run
+
+    selective = {b["name"] for b in ac_plan["blocks"] if b["policy"] == "selective"}
+    for block_name, block in model.named_modules():
+        if block_name not in selective:
+            continue
+        for module in block.modules():
+            for hooks in (module._forward_pre_hooks, module._forward_hooks):
+                for key, hook in list(hooks.items()):
+                    if getattr(hook, "__module__", "").startswith("deepspeed.") and                             not getattr(hook, "_zero3_hidden", False):
+                        hooks[key] = hidden(hook)
 
 
 def _zero3_linear(input, weight, bias=None):

@@ -27,6 +27,8 @@ CASES = {
     "unwritable output_dir": (lambda t, d: ["--output_dir", f"{d['val']}/run"], "is not writable"),
     "dead url": (lambda t, d: ["--train_shards", "http://127.0.0.1:9/train-{000000..000001}.tar"],
                  "cannot open 2 of 2 URLs"),
+    "swin stage narrower than its window": (lambda t, d: ["--model", "swin-tiny", "--image_size", "128"],
+                                            "the last is narrower than its 7x7 window: use image_size >= 224"),
     "unknown ac policy": (lambda t, d: ["--ac", "sometimes"], "unknown activation checkpointing policy 'sometimes'"),
     "impossible ac budget": (lambda t, d: ["--ac", "auto:0.0001"], "below what full recompute still keeps"),
     "offload on cpu": (lambda t, d: ["--ac", "offload"], "needs a GPU"),
