@@ -234,7 +234,8 @@ def summarise(results: list, shapes: list, suite: Suite, flops: dict, peak_gflop
             hardware = next((r["hardware_flops_per_step"] for r in jobs if r["hardware_flops_per_step"]), 0)
             model_per_step = flops[shape.label] * shape.micro_batch_size * suite.ranks
             med = statistics.median(speeds)
-            loss = statistics.median(r["losses"][-1] for r in jobs)
+            # the loss of the same step in every job (the first repeat's jobs run one extra, FLOP-counted step)
+            loss = statistics.median(r["losses"][suite.profiled_steps + suite.timed_steps - 1] for r in jobs)
             if reference_loss is None:
                 reference_loss = loss
             row.update(
@@ -353,7 +354,7 @@ def write_markdown(path: str, suite_name: str, suite: Suite, rows: list, targets
         for shape in suite.shapes:
             f.write(f"\n## {shape.label}\n\n| configuration | images/s, median (min-max) | MFU | recompute | peak "
                     f"MiB/rank | setup peak | step peak | activations | max RSS | loss after "
-                    f"{suite.profiled_steps + suite.timed_steps + 1} steps (rel. diff) |\n"
+                    f"{suite.profiled_steps + suite.timed_steps} steps (rel. diff) |\n"
                     "|---|---|---|---|---|---|---|---|---|---|\n")
             for r in rows:
                 if r["shape"] != shape.label:
@@ -362,6 +363,8 @@ def write_markdown(path: str, suite_name: str, suite: Suite, rows: list, targets
                     f.write(f"| {r['config']} | failed ({r['jobs_failed']} jobs, see failed.log) |||||||||\n")
                     continue
                 budget = f" ({r['budget_gib'] * 1024:.0f} MiB)" if r["budget_gib"] else ""
+                if r["jobs_failed"]:
+                    budget += f" ({r['jobs_ok']} of {r['jobs_ok'] + r['jobs_failed']} jobs; see failed.log)"
                 rec = f"{r['recompute_flops_frac']:+.0%}" if r["recompute_flops_frac"] != "" else ""
                 f.write(f"| {r['config']}{budget} | {r['images_per_sec']:.2f} ({r['images_per_sec_min']:.2f}-"
                         f"{r['images_per_sec_max']:.2f}) | {r['mfu']:.1%} | {rec} | {r['peak_alloc_mib']:.0f} | "
@@ -419,6 +422,8 @@ def main(argv=None):
     parser.add_argument("--out", default="", help="output directory (default: benchmarks/results/<suite>)")
     parser.add_argument("--ranks", type=int, default=0, help="override the suite's ranks (a check, not a result)")
     parser.add_argument("--repeats", type=int, default=0, help="override the suite's repeats (a check, not a result)")
+    parser.add_argument("--report_only", action="store_true",
+                        help="rewrite results.csv/.md and pareto.png from the out directory's runs.jsonl, running nothing")
     args = parser.parse_args(argv)
     suite = SUITES[args.suite]
     if args.ranks or args.repeats:
@@ -429,15 +434,19 @@ def main(argv=None):
         sys.exit(f"error: the gpu suite needs {suite.ranks} GPUs on this node; found {torch.cuda.device_count()}")
     out_dir = args.out or os.path.join(REPO, "benchmarks", "results", args.suite)
     os.makedirs(out_dir, exist_ok=True)
-    for stale in ("failed.log",):
-        if os.path.exists(os.path.join(out_dir, stale)):
-            os.remove(os.path.join(out_dir, stale))
     threads = max(1, (os.cpu_count() or 1) // suite.ranks) if not torch.cuda.is_available() else 1
     from tqdm import tqdm
 
+    if args.report_only:
+        with open(os.path.join(out_dir, "runs.jsonl")) as f:
+            results = [json.loads(line) for line in f]
+        with open(os.path.join(out_dir, "environment.json")) as f:
+            saved = json.load(f)
+        return report(out_dir, args.suite, suite, results, saved["gemm_samples"], threads, saved["minutes"])
+    if os.path.exists(os.path.join(out_dir, "failed.log")):
+        os.remove(os.path.join(out_dir, "failed.log"))
     started = time.perf_counter()
     gemm = gemm_gflops(threads) if not torch.cuda.is_available() else gpu_peak_gflops()
-    flops = {s.label: model_flops_per_image(s) for s in suite.shapes}
     jobs = [(shape, run) for shape in suite.shapes for run in runs_of(suite, shape)]
     results, measured, budgets = [], {}, {}
     bar = tqdm(total=len(jobs) * suite.repeats, desc=args.suite, dynamic_ncols=True)
@@ -462,7 +471,11 @@ def main(argv=None):
             if not torch.cuda.is_available():
                 gemm += gemm_gflops(threads)  # the peak, re-measured between repeats: the machine drifts
     bar.close()
-    minutes = (time.perf_counter() - started) / 60
+    return report(out_dir, args.suite, suite, results, gemm, threads, (time.perf_counter() - started) / 60)
+
+
+def report(out_dir: str, suite_name: str, suite: Suite, results: list, gemm: list, threads: int, minutes: float) -> int:
+    flops = {s.label: model_flops_per_image(s) for s in suite.shapes}
     env = environment(threads, gemm)
     rows = summarise(results, suite.shapes, suite, flops, env["peak_gflops_per_rank"])
     targets = check_targets(rows, suite)
@@ -472,9 +485,9 @@ def main(argv=None):
         writer.writeheader()
         writer.writerows(rows)
     with open(os.path.join(out_dir, "environment.json"), "w") as f:
-        json.dump(dict(env, suite=args.suite, minutes=round(minutes, 1),
+        json.dump(dict(env, suite=suite_name, minutes=round(minutes, 1),
                        model_flops_per_image={k: v for k, v in flops.items()}), f, indent=1)
-    write_markdown(os.path.join(out_dir, "results.md"), args.suite, suite, rows, targets, env, minutes)
+    write_markdown(os.path.join(out_dir, "results.md"), suite_name, suite, rows, targets, env, minutes)
     plot(os.path.join(out_dir, "pareto.png"), suite, rows)
     print(open(os.path.join(out_dir, "results.md")).read())
     failed = sum(r.get("jobs_failed", 0) for r in rows)
