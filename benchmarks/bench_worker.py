@@ -4,11 +4,13 @@
         --out result.json
 
 `train_bench.py` launches it; every field of the spec is listed in `Spec`. The job:
-  1. starts the profiler (memory events only matter) before the model exists, builds the model from the
-     seed, wraps it, and runs `profiled_steps` steps under it: the peak "Total Allocated" of that window is
-     the rank's peak memory, weights, gradients, optimizer states, buffers and activations included;
-     the last profiled step also counts the FLOPs the hardware executes (recompute included);
-  2. stops the profiler and times `timed_steps` further steps with perf_counter.
+  1. starts the profiler (only its memory events matter) before the model exists, builds the model from
+     the seed, wraps it, and runs `profiled_steps` steps under it. The peak "Total Allocated" of those steps
+     is the rank's peak memory, weights, gradients, optimizer states, buffers and activations included; the
+     setup's peak (building and wrapping) is reported beside it. On GPUs, torch.cuda's allocator counters;
+  2. stops the profiler and, with `count_flops`, runs one step under torch's FLOP counter (the FLOPs the
+     hardware executes, recompute included; not under the profiler, whose memory it would change);
+  3. times `timed_steps` further steps with perf_counter, each ended by an all-reduce of the loss.
 Every engine sees the same initial weights and the same batches (random images drawn from the seed, the
 rank and the step), so the losses agree across engines up to fp32 summation order.
 """
