@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from config import Config  # noqa: E402
 from models import build_model, model_config  # noqa: E402
 from models.blocks import find_blocks  # noqa: E402
+from models.checkpointing import trace_events  # noqa: E402
 from models.parallelize import (build_ds_config, lr_schedule, param_groups, parallelize,  # noqa: E402
                                 release_deepspeed_shm)
 
@@ -136,12 +137,7 @@ def memory_phases(profiler) -> dict:
     """Per marked phase ("bench/..." record_function ranges): bytes allocated when it starts, its peak, and
     what it leaves allocated, from the profiler's "[memory]" events ("Total Allocated" counts everything
     allocated since the profiler started, i.e. before the model existed)."""
-    import tempfile
-
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        profiler.export_chrome_trace(f.name)
-        with open(f.name) as trace:
-            events = json.load(trace)["traceEvents"]
+    events = trace_events(profiler)
     if os.environ.get("BENCH_TRACE_DIR"):  # keep the rank's trace, to see what holds the memory
         with open(os.path.join(os.environ["BENCH_TRACE_DIR"], f"trace_rank{dist.get_rank()}.json"), "w") as f:
             json.dump(events, f)

@@ -258,9 +258,8 @@ def summarise(results: list, shapes: list, suite: Suite, flops: dict, peak_gflop
 
 def check_targets(rows: list, suite: Suite) -> list:
     """(target, verdict, figures) for issue 5's three targets and issue 4's on the targets shape."""
-    shape_rows = [r for r in rows if r["shape"].split(",")[0].lower().startswith(
-        {"vit-small": "vit-s", "vit-debug": "vit-debug", "vit-large": "vit-l"}.get(suite.targets_shape, "?"))
-        and "images_per_sec" in r]
+    label = next((s.label for s in suite.shapes if s.model == suite.targets_shape), None)
+    shape_rows = [r for r in rows if r["shape"] == label and "images_per_sec" in r]
     by = {r["config"]: r for r in shape_rows}
     out = []
 

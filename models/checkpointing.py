@@ -312,18 +312,23 @@ def apply_activation_checkpointing(model, ac: str, device_type: str, profile_ima
     return result
 
 
+def trace_events(prof) -> list:
+    """The events of a finished profiler run, as its chrome trace lists them."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        with open(f.name) as trace:
+            return json.load(trace)["traceEvents"]
+
+
 def memory_trace(prof) -> tuple[int, int, int]:
     """(allocated before, peak, allocated after) from a CPU profiler run with profile_memory=True.
 
     PyTorch keeps no CPU allocator statistics; the profiler's "[memory]" events carry the running
     "Total Allocated", which is the CPU counterpart of torch.cuda.memory_allocated().
     """
-    import tempfile
-
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        with open(f.name) as trace:
-            events = [e["args"] for e in json.load(trace)["traceEvents"] if e.get("name") == "[memory]"]
+    events = [e["args"] for e in trace_events(prof) if e.get("name") == "[memory]"]
     if not events:
         return 0, 0, 0
     before = events[0]["Total Allocated"] - events[0]["Bytes"]
