@@ -31,7 +31,7 @@ from data.shards import DataError, parse_spec
 from data.transforms import EvalTransform, TrainTransform, mix_batch
 from models import build_model, model_config
 from models.checkpointing import check_policy, memory_trace
-from models.parallelize import build_ds_config, parallelize, release_deepspeed_shm, resolve_precision
+from models.parallelize import build_ds_config, exit_distributed, parallelize, release_deepspeed_shm, resolve_precision
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -326,7 +326,7 @@ def main(argv=None):
         minutes, seconds = divmod(int(time.perf_counter() - run_start), 60)
         print(f"done: val top-1 {top1:.2%} (top-5 {top5:.2%}) | {throughput} images/s | "
               f"{cfg.max_steps - start_step} steps in {minutes}m{seconds:02d}s | model saved to {hf_dir}")
-    dist.destroy_process_group()
+    exit_distributed(0)  # everything is written and closed: skips a gloo abort at interpreter exit (see there)
 
 
 if __name__ == "__main__":

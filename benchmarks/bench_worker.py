@@ -34,8 +34,8 @@ from config import Config  # noqa: E402
 from models import build_model, model_config  # noqa: E402
 from models.blocks import find_blocks  # noqa: E402
 from models.checkpointing import trace_events  # noqa: E402
-from models.parallelize import (build_ds_config, lr_schedule, param_groups, parallelize,  # noqa: E402
-                                release_deepspeed_shm)
+from models.parallelize import (build_ds_config, exit_distributed, lr_schedule, param_groups,  # noqa: E402
+                                parallelize, release_deepspeed_shm)
 
 
 @dataclass
@@ -253,8 +253,7 @@ def main():
             result["ac_plan"]["blocks"] = [b["policy"] for b in plan["blocks"]]
         with open(args.out, "w") as f:
             json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    exit_distributed(0)  # result written and closed; avoids gloo's abort at interpreter exit
 
 
 if __name__ == "__main__":

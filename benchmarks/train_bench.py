@@ -197,7 +197,7 @@ def run_job(suite: Suite, shape: Shape, run: Run, budget_gib, repeat: int, threa
         cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", str(suite.ranks),
                "--master_port", str(port), os.path.join(REPO, "benchmarks", "bench_worker.py"),
                "--spec", json.dumps(spec), "--out", out]
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore")
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1")
         start = time.perf_counter()
         # Known, not understood: ~1 job in 90 (DeepSpeed and plain FSDP2 alike, gloo) has a rank abort in C++
         # ("terminate called without an active exception"). One retry on exactly that, recorded in the row.

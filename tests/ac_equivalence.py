@@ -17,7 +17,8 @@ import torch.nn.functional as F  # noqa: E402
 from config import Config  # noqa: E402
 from models import build_model  # noqa: E402
 from models.checkpointing import profile_blocks  # noqa: E402
-from models.parallelize import build_ds_config, fixed_memory_bytes, parallelize, release_deepspeed_shm  # noqa: E402
+from models.parallelize import (build_ds_config, exit_distributed, fixed_memory_bytes, parallelize,  # noqa: E402
+                               release_deepspeed_shm)
 
 stage, out = [int(a) if a.isdigit() else a for a in sys.argv[1:] if not a.startswith("--local_rank")]
 deepspeed.init_distributed()
@@ -59,3 +60,4 @@ for name in ("vit-debug", "swin-debug"):
 if rank == 0:
     with open(out, "w") as f:
         json.dump(results, f)
+exit_distributed(0)  # the result is written and closed; avoids gloo's abort at interpreter exit

@@ -35,7 +35,7 @@ def launch(args, nproc=2, launcher="deepspeed", timeout=300, check=True):
                "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", port, "train.py"]
     else:
         cmd = [sys.executable, "train.py"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1")
     env.pop("RANK", None)
     proc = subprocess.run(cmd + [str(a) for a in args], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=timeout)

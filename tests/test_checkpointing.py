@@ -19,7 +19,7 @@ from models.checkpointing import (BlockProfile, apply_activation_checkpointing, 
 def test_every_policy_matches_none_bitwise_under_zero(stage, tmp_path):
     """4 training steps, 2 ranks, vit-debug and swin-debug: losses and final weights equal `none` exactly."""
     out = tmp_path / "result.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1")
     for attempt in range(2):
         proc = subprocess.run([f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", str(free_port()),
                                "tests/ac_equivalence.py", str(stage), str(out)], cwd=REPO, env=env,
