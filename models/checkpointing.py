@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.flop_counter import flop_registry
 
 from config import ConfigError
 from models.blocks import Block, find_blocks
@@ -114,16 +115,20 @@ class BlockProfile:
     bytes_none: int  # saved-for-backward bytes with every activation kept
     bytes_selective: int  # the kept compute-op outputs plus the block input
     bytes_full: int  # the block input only
-    flops: int  # forward FLOPs (matmuls, attention): what full recompute repeats
-    cheap_elems: int  # elements produced by the other ops: what selective recompute repeats
+    flops: int  # forward FLOPs (matmuls, attention)
+    # What the recompute repeats. It stops at the block's last saved tensor (non-reentrant checkpointing's
+    # early stop), so the ops after it (the MLP's last matmul, its residual add) never rerun.
+    flops_full: int  # compute-op FLOPs before the last saved tensor: rerun under `full`
+    flops_selective: int  # those of them whose outputs `selective` does not keep (see `keep`): rerun under it
+    cheap_elems: int  # elements produced by the other ops before the last saved tensor: rerun by both
     keep: list  # per compute op in forward order: is its output saved for the backward by a later op?
 
     def scaled(self, factor: float) -> "BlockProfile":
         """The profile of a batch `factor` times larger: every saved activation, FLOP and element of a ViT
         or Swin block is proportional to the batch (the weights, which are not, are not counted)."""
         return BlockProfile(self.name, self.stage, round(self.bytes_none * factor), round(self.bytes_selective * factor),
-                            round(self.bytes_full * factor), round(self.flops * factor),
-                            round(self.cheap_elems * factor), self.keep)
+                            round(self.bytes_full * factor), round(self.flops * factor), round(self.flops_full * factor),
+                            round(self.flops_selective * factor), round(self.cheap_elems * factor), self.keep)
 
 
 class _OpRecorder(torch.utils._python_dispatch.TorchDispatchMode):
@@ -131,7 +136,7 @@ class _OpRecorder(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.block, self.compute_outputs, self.cheap_elems = None, {}, {}
+        self.block, self.compute_outputs, self.cheap_ops, self.packs = None, {}, {}, {}
         # Compute outputs are matched to saved tensors by storage address; holding them for the profile's
         # forward keeps a freed output's address from being reused by a later saved tensor, which made
         # `keep` mark unsaved outputs at random (measured: the attention out-projection in 2-9 of 12 ViT-S
@@ -143,13 +148,17 @@ class _OpRecorder(torch.utils._python_dispatch.TorchDispatchMode):
         if self.block is not None:
             outs = out if isinstance(out, (tuple, list)) else (out,)
             tensors = [t for t in outs if isinstance(t, torch.Tensor)]
+            packs = self.packs.get(self.block, 0)  # tensors the block saved before this op ran
             if func in COMPUTE_OPS:
                 self.alive.append(tensors[0])
                 storage = tensors[0].untyped_storage()
-                self.compute_outputs.setdefault(self.block, []).append((storage.data_ptr(), storage.nbytes()))
+                count = flop_registry.get(func._overloadpacket)
+                flops = count(*args, **(kwargs or {}), out_val=out) if count else 0
+                self.compute_outputs.setdefault(self.block, []).append(
+                    (storage.data_ptr(), storage.nbytes(), flops, packs))
             elif func._overloadpacket not in (aten.view, aten._unsafe_view, aten.t, aten.transpose, aten.permute,
                                               aten.expand, aten.reshape, aten.detach, aten.slice, aten.select):
-                self.cheap_elems[self.block] = self.cheap_elems.get(self.block, 0) + sum(t.numel() for t in tensors)
+                self.cheap_ops.setdefault(self.block, []).append((sum(t.numel() for t in tensors), packs))
         return out
 
 
@@ -175,6 +184,8 @@ def profile_blocks(model, images: torch.Tensor) -> list[BlockProfile]:
         handles += [b.module.register_forward_pre_hook(pre), b.module.register_forward_hook(post)]
 
     def pack(t):
+        if recorder.block is not None:  # weights count as saved tensors for the early stop, not as bytes
+            recorder.packs[recorder.block] = recorder.packs.get(recorder.block, 0) + 1
         if recorder.block is not None and t.untyped_storage().data_ptr() not in weights:
             storage = t.untyped_storage()
             saved[recorder.block][storage.data_ptr()] = storage.nbytes()
@@ -184,11 +195,16 @@ def profile_blocks(model, images: torch.Tensor) -> list[BlockProfile]:
         return t.detach()
 
     flops = FlopCounterMode(display=False)
+    # torch's own linear, which checkpointed blocks run under every ZeRO stage (models/parallelize.py): an
+    # earlier ZeRO-3 engine in this process may have replaced F.linear with DeepSpeed's, which saves its
+    # inputs after its matmul and so would move where the recompute stops
+    linear, torch.nn.functional.linear = torch.nn.functional.linear, torch._C._nn.linear
     try:  # fork_rng: the profile must not move the RNG that dropout and stochastic depth draw from
         with torch.random.fork_rng(devices=[]), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
                 flops, recorder:
             model(images).logits.sum()
     finally:
+        torch.nn.functional.linear = linear
         for h in handles:
             h.remove()
         recorder.alive.clear()
@@ -197,13 +213,17 @@ def profile_blocks(model, images: torch.Tensor) -> list[BlockProfile]:
     for b in blocks:
         f = sum(per_module.get(f"{type(model).__name__}.{b.name}", {}).values())
         none = sum(saved[b.name].values())
-        # an output that no later op saves for the backward (the MLP's last matmul, say) need not be kept:
-        # the recompute stops before it (non-reentrant checkpointing's early stop), so dropping it is free
+        # `selective` keeps the outputs the backward reads. One that only feeds cheap ops is not kept: after
+        # the last saved tensor (the MLP's last matmul) it is never recomputed; before it (the attention
+        # out-projection, whose residual sum the next norm saves) its matmul reruns, counted below.
         outputs = recorder.compute_outputs.get(b.name, [])
-        keep = [ptr in saved[b.name] for ptr, _ in outputs]
-        kept = sum(nbytes for (ptr, nbytes), k in zip(outputs, keep) if k)
+        keep = [ptr in saved[b.name] for ptr, *_ in outputs]
+        kept = sum(nbytes for (ptr, nbytes, *_), k in zip(outputs, keep) if k)
+        last = recorder.packs.get(b.name, 0)
+        rerun = [(flops, k) for (_, _, flops, packs), k in zip(outputs, keep) if packs < last]
         out.append(BlockProfile(b.name, b.stage, none, min(none, kept + inputs[b.name]), inputs[b.name], int(f),
-                                recorder.cheap_elems.get(b.name, 0), keep))
+                                sum(fl for fl, _ in rerun), sum(fl for fl, k in rerun if not k),
+                                sum(n for n, packs in recorder.cheap_ops.get(b.name, []) if packs < last), keep))
     return out
 
 
@@ -228,14 +248,15 @@ def kept_bytes(p: BlockProfile, how: str) -> int:
 
 def recompute_cost(p: BlockProfile, how: str) -> int:
     """Work the backward repeats for block `p` under `how`: FLOPs, plus one per element of the cheap ops."""
-    return {"selective": p.cheap_elems, "full": p.flops + p.cheap_elems}.get(how, 0)
+    return {"selective": p.flops_selective + p.cheap_elems, "full": p.flops_full + p.cheap_elems}.get(how, 0)
 
 
 def plan_for_budget(profile: list[BlockProfile], activation_budget: int):
     """Per-block choice of none/selective/full with the least recompute whose activations fit the budget.
 
     Greedy on bytes saved per recomputed FLOP: a block moves none -> selective -> full, the cheapest
-    saving first. Selective recompute costs its cheap ops (counted as one FLOP per element produced).
+    saving first. A level costs the matmul FLOPs its recompute reruns plus its cheap ops (one FLOP per
+    element produced).
     Returns (plan, activation bytes, recompute FLOPs) or raises when even `full` everywhere does not fit.
     """
     levels = ("none", "selective", "full")
@@ -304,6 +325,9 @@ def apply_activation_checkpointing(model, ac: str, device_type: str, profile_ima
         fwd = sum(p.flops for p in profile)
         recompute = sum(recompute_cost(p, how) for p, how in zip(profile, plan))
         result["recompute_flops_fraction"] = recompute / (3 * fwd) if fwd else 0.0  # of forward + backward
+        # the matmul and attention FLOPs alone: what torch's FLOP counter sees the backward repeat
+        result["recompute_matmul_flops"] = sum(recompute_cost(p, how) - p.cheap_elems * (how != "none")
+                                               for p, how in zip(profile, plan))
         if name in ("auto", "hierarchical"):
             counts = {h: plan.count(h) for h in ("none", "selective", "full")}
             log(f"ac {ac}: {counts} | activations {result['activation_bytes_planned'] / 2**20:.1f} MiB of "

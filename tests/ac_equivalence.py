@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from config import Config  # noqa: E402
 from models import build_model  # noqa: E402
@@ -46,8 +47,9 @@ for name in ("vit-debug", "swin-debug"):
         for step in range(4):
             g = torch.Generator().manual_seed(100 * step + rank)
             x, y = torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
-            loss = F.cross_entropy(engine(x).logits, y)
-            engine.backward(loss)
+            with FlopCounterMode(display=False) as counter:  # the last step's forward and backward, recompute included
+                loss = F.cross_entropy(engine(x).logits, y)
+                engine.backward(loss)
             engine.step()
             losses.append(loss.item())
         params = list(engine.module.parameters())
@@ -55,7 +57,9 @@ for name in ("vit-debug", "swin-debug"):
             flat = torch.cat([p.detach().flatten() for p in params]).double()
         results[f"{name}|{ac.split(':')[0]}"] = {"losses": losses, "weights": flat.tolist()[:2000],
                                                  "weights_sum": flat.sum().item(),
-                                                 "policies": [b["policy"] for b in plan["blocks"]]}
+                                                 "policies": [b["policy"] for b in plan["blocks"]],
+                                                 "flops": counter.get_total_flops(),
+                                                 "recompute_flops_planned": plan["recompute_matmul_flops"]}
         engine.destroy()
 if rank == 0:
     with open(out, "w") as f:

@@ -17,7 +17,8 @@ from models.checkpointing import (BlockProfile, apply_activation_checkpointing, 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_every_policy_matches_none_bitwise_under_zero(stage, tmp_path):
-    """4 training steps, 2 ranks, vit-debug and swin-debug: losses and final weights equal `none` exactly."""
+    """4 training steps, 2 ranks, vit-debug and swin-debug: losses and final weights equal `none` exactly, and
+    the FLOPs the backward repeats are the ones the plan counted."""
     out = tmp_path / "result.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1")
     for attempt in range(2):
@@ -40,6 +41,9 @@ def test_every_policy_matches_none_bitwise_under_zero(stage, tmp_path):
         assert r["weights"] == none["weights"] and r["weights_sum"] == none["weights_sum"], key
         if policy in ("full", "selective"):
             assert set(r["policies"]) == {policy}
+        # the backward repeats exactly the matmul and attention FLOPs the profile predicted: under ZeRO-3 too,
+        # where DeepSpeed's linear had made every recompute run the block's last matmul as well
+        assert r["flops"] - none["flops"] == r["recompute_flops_planned"], key
     assert results["vit-debug|auto"]["policies"] != ["none", "none"]  # the mid budget forced some recompute
 
 
@@ -70,11 +74,16 @@ def test_profile_counts_blocks_flops_and_bytes(vit_small):
     assert p.bytes_full < p.bytes_selective < p.bytes_none
     tokens, hidden = 8 * 65, 384
     linear_flops = 2 * tokens * hidden * (4 * hidden + 2 * 4 * hidden)  # qkv + out, fc1 + fc2
-    assert p.flops == pytest.approx(linear_flops, rel=0.1)  # plus attention, a few percent at 65 tokens
+    attention_flops = 2 * 2 * 8 * 65 * 65 * hidden  # q @ k^T and p @ v: counted on CPU too (models/__init__.py)
+    assert p.flops == linear_flops + attention_flops
     assert p.bytes_full == tokens * hidden * 4  # the block input, fp32
     # compute ops in forward order: q, k, v, attention, out-projection, fc1, fc2. The backward needs all but
     # the out-projection's and fc2's outputs, in every block (address reuse once made this vary by process)
     assert all(b.keep == [True, True, True, True, False, True, False] for b in profile)
+    # what the recompute reruns: full stops before fc2 (nothing after it is saved); selective reruns only the
+    # out-projection, whose output the next norm's saved input is computed from
+    linear = 2 * tokens * hidden * hidden
+    assert all(b.flops_full == b.flops - 4 * linear and b.flops_selective == linear for b in profile)
 
 
 @pytest.mark.parametrize("name", ["vit-debug", "swin-debug"])
@@ -86,8 +95,8 @@ def test_small_batch_profile_scales_exactly(name):
     full = profile_blocks(model, images)
     small = [p.scaled(8 / PROFILE_BATCH) for p in profile_blocks(model, images[:PROFILE_BATCH])]
     for s, f in zip(small, full):
-        assert (s.bytes_none, s.bytes_selective, s.bytes_full, s.flops, s.keep) == \
-            (f.bytes_none, f.bytes_selective, f.bytes_full, f.flops, f.keep)
+        assert (s.bytes_none, s.bytes_selective, s.bytes_full, s.flops, s.flops_full, s.flops_selective, s.keep) == \
+            (f.bytes_none, f.bytes_selective, f.bytes_full, f.flops, f.flops_full, f.flops_selective, f.keep)
         # Swin's relative-position bias is built once per forward, whatever the batch: its cheap-op count is
         # the one figure that does not scale (up to 5.8% off here, at swin-debug's tiny width)
         assert s.cheap_elems == pytest.approx(f.cheap_elems, rel=0.1)
@@ -109,7 +118,9 @@ def test_profile_leaves_nothing_allocated():
 def synthetic_profile():
     # a Swin-like shape: early blocks hold big activations for few FLOPs
     sizes = [(800, 100), (800, 100), (400, 200), (400, 200), (200, 400), (200, 400)]
-    return [BlockProfile(f"b{i}", i // 2, none, none // 2, none // 10, flops, flops // 100, None)
+    # full recompute stops before the last third of the FLOPs; selective reruns one small matmul
+    return [BlockProfile(f"b{i}", i // 2, none, none // 2, none // 10, flops, flops * 2 // 3, flops // 20, flops // 100,
+                         None)
             for i, (none, flops) in enumerate(sizes)]
 
 
