@@ -4,6 +4,8 @@ plain PyTorch FSDP2 with Hugging Face's own checkpointing. One command per suite
     .venv/bin/python benchmarks/train_bench.py --suite cpu-smoke   # ~2 min: checks the harness (a test runs it)
     .venv/bin/python benchmarks/train_bench.py --suite cpu         # ~40 min on 2 cores: the committed results
     .venv/bin/python benchmarks/train_bench.py --suite gpu         # one 8-GPU node, bf16 (not run here)
+    .venv/bin/python benchmarks/train_bench.py --suite cpu --out /tmp/rerun --compare benchmarks/results/cpu
+                                                                   # a rerun, checked against the committed one
 
 Every configuration is its own distributed job (`bench_worker.py` under torchrun); all configurations of a
 suite run in one invocation, in alternating order (forward, then reversed, ...), `repeats` times. Writes
@@ -199,19 +201,14 @@ def run_job(suite: Suite, shape: Shape, run: Run, budget_gib, repeat: int, threa
                "--spec", json.dumps(spec), "--out", out]
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1")
         start = time.perf_counter()
-        # Known, not understood: ~1 job in 90 (DeepSpeed and plain FSDP2 alike, gloo) has a rank abort in C++
-        # ("terminate called without an active exception"). One retry on exactly that, recorded in the row.
-        for attempt in range(2):
-            try:
-                proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=suite.timeout_s)
-                failed = proc.returncode != 0 or not os.path.exists(out)
-                tail = (proc.stdout + proc.stderr)[-3000:]
-            except subprocess.TimeoutExpired:
-                failed, tail = True, f"timed out after {suite.timeout_s} s"
-            if not (failed and "terminate called without an active exception" in tail):
-                break
+        try:
+            proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=suite.timeout_s)
+            failed = proc.returncode != 0 or not os.path.exists(out)
+            tail = (proc.stdout + proc.stderr)[-3000:]
+        except subprocess.TimeoutExpired:
+            failed, tail = True, f"timed out after {suite.timeout_s} s"
         result = {"error": tail} if failed else json.load(open(out))
-    result.update(attempts=attempt + 1, shape=shape.label, run=run.name, engine=run.engine, zero=run.zero, reshard=run.reshard,
+    result.update(shape=shape.label, run=run.name, engine=run.engine, zero=run.zero, reshard=run.reshard,
                   ac=run.ac, budget_gib=budget_gib, repeat=repeat, job_seconds=time.perf_counter() - start)
     if failed:
         with open(os.path.join(log_dir, "failed.log"), "a") as f:
@@ -420,12 +417,72 @@ def plot(path: str, suite: Suite, rows: list):
     plt.close(fig)
 
 
+# Reproduced "within noise", row by row (BENCHMARKING.md: speed only as a ratio inside one invocation). The
+# noise is the larger of a floor and the spread (max - min over median) of the configuration's own jobs in
+# either run: FSDP2 + full AC's peak, for one, varies by 12% from job to job here.
+SPEED_NOISE = 0.05  # images/s relative to the run's own FSDP2 no-AC median
+PEAK_NOISE = 0.03  # peak allocated bytes
+
+
+def compare(rows: list, reference: list, suite: Suite) -> tuple:
+    """Markdown lines comparing a rerun's rows with a reference run's, and the rows not reproduced.
+
+    Speed is compared as each configuration's median images/s over its own run's FSDP2 no-AC median (the
+    machine's speed drifts between invocations, the ratio does not); bytes and FLOPs, which do not depend on
+    speed, directly. An `auto` row's budget comes from its own run's measured FSDP2 peaks, so when the two
+    budgets differ its peak is compared relative to its budget (the row's claim is that it fits it).
+    """
+    def keyed(rs):
+        return {(r["shape"], r["config"]): r for r in rs}
+
+    def base(rs, shape):
+        return float(keyed(rs)[(shape, "FSDP2 + no AC")]["images_per_sec"])
+
+    def spread(r, column):
+        return (float(r[f"{column}_max"]) - float(r[f"{column}_min"])) / float(r[column])
+
+    new, ref = keyed(rows), keyed(reference)
+    lines = ["| shape | config | images/s vs FSDP2 no-AC: reference -> rerun | change (noise) | peak MiB: reference "
+             "-> rerun | change (noise) | recompute FLOPs | reproduced |", "|---|---|---|---|---|---|---|---|"]
+    missed = []
+    for key, r in new.items():
+        old = ref.get(key)
+        if old is None or not r.get("images_per_sec") or not old.get("images_per_sec"):
+            missed.append(key)
+            lines.append(f"| {key[0][:12]} | {key[1]} | missing in one run | | | | | **no** |")
+            continue
+        a = float(old["images_per_sec"]) / base(reference, key[0])
+        b = float(r["images_per_sec"]) / base(rows, key[0])
+        speed_noise = max(SPEED_NOISE, spread(old, "images_per_sec"), spread(r, "images_per_sec"))
+        peak_noise = max(PEAK_NOISE, spread(old, "peak_alloc_mib"), spread(r, "peak_alloc_mib"))
+        pa, pb, what = float(old["peak_alloc_mib"]), float(r["peak_alloc_mib"]), ""
+        if old.get("budget_gib") and r.get("budget_gib") and old["budget_gib"] != r["budget_gib"]:
+            ga, gb = float(old["budget_gib"]) * 1024, float(r["budget_gib"]) * 1024
+            what = f" (budgets {ga:.0f} -> {gb:.0f} MiB: peak/budget {pa / ga:.3f} -> {pb / gb:.3f})"
+            pa, pb = pa / ga, pb / gb
+        ok = abs(b / a - 1) <= speed_noise and abs(pb / pa - 1) <= peak_noise
+        if not ok:
+            missed.append(key)
+        plan = f", plan {old['ac_plan']} -> {r['ac_plan']}" if r.get("ac_plan") != old.get("ac_plan") else ""
+        same_flops = "same" if old["recompute_flops_frac"] == r["recompute_flops_frac"] else "differ"
+        lines.append(f"| {key[0][:12]} | {key[1]}{plan} | {a:.3f} -> {b:.3f} | {b / a - 1:+.1%} ({speed_noise:.0%}) | "
+                     f"{float(old['peak_alloc_mib']):.0f} -> {float(r['peak_alloc_mib']):.0f}{what} | "
+                     f"{pb / pa - 1:+.1%} ({peak_noise:.0%}) | {same_flops} | {'yes' if ok else '**no**'} |")
+    head = (f"{len(new) - len(missed)} of {len(new)} configurations reproduced: speed relative to the same run's "
+            f"FSDP2 no-AC and peak memory each within its noise (in brackets: the larger of {SPEED_NOISE:.0%} "
+            f"/ {PEAK_NOISE:.0%} and the spread of the configuration's jobs in either run).")
+    return [head, ""] + lines, missed
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", choices=sorted(SUITES), required=True)
     parser.add_argument("--out", default="", help="output directory (default: benchmarks/results/<suite>)")
     parser.add_argument("--ranks", type=int, default=0, help="override the suite's ranks (a check, not a result)")
     parser.add_argument("--repeats", type=int, default=0, help="override the suite's repeats (a check, not a result)")
+    parser.add_argument("--compare", default="",
+                        help="a results directory of the same suite (say benchmarks/results/cpu): write comparison.md "
+                             "against its results.csv and exit non-zero when a configuration is not reproduced")
     parser.add_argument("--report_only", action="store_true",
                         help="rewrite results.csv/.md and pareto.png from the out directory's runs.jsonl, running nothing")
     args = parser.parse_args(argv)
@@ -446,7 +503,8 @@ def main(argv=None):
             results = [json.loads(line) for line in f]
         with open(os.path.join(out_dir, "environment.json")) as f:
             saved = json.load(f)
-        return report(out_dir, args.suite, suite, results, saved["gemm_samples"], threads, saved["minutes"])
+        return report(out_dir, args.suite, suite, results, saved["gemm_samples"], threads, saved["minutes"],
+                      args.compare)
     if os.path.exists(os.path.join(out_dir, "failed.log")):
         os.remove(os.path.join(out_dir, "failed.log"))
     started = time.perf_counter()
@@ -475,10 +533,12 @@ def main(argv=None):
             if not torch.cuda.is_available():
                 gemm += gemm_gflops(threads)  # the peak, re-measured between repeats: the machine drifts
     bar.close()
-    return report(out_dir, args.suite, suite, results, gemm, threads, (time.perf_counter() - started) / 60)
+    return report(out_dir, args.suite, suite, results, gemm, threads, (time.perf_counter() - started) / 60,
+                  args.compare)
 
 
-def report(out_dir: str, suite_name: str, suite: Suite, results: list, gemm: list, threads: int, minutes: float) -> int:
+def report(out_dir: str, suite_name: str, suite: Suite, results: list, gemm: list, threads: int, minutes: float,
+           compare_to: str = "") -> int:
     flops = {s.label: model_flops_per_image(s) for s in suite.shapes}
     env = environment(threads, gemm)
     rows = summarise(results, suite.shapes, suite, flops, env["peak_gflops_per_rank"])
@@ -497,7 +557,17 @@ def report(out_dir: str, suite_name: str, suite: Suite, results: list, gemm: lis
     failed = sum(r.get("jobs_failed", 0) for r in rows)
     if failed:
         print(f"{failed} jobs failed: {os.path.join(out_dir, 'failed.log')}", file=sys.stderr)
-    return 1 if failed else 0
+    not_reproduced = []
+    if compare_to:
+        with open(os.path.join(compare_to, "results.csv")) as f:
+            reference = list(csv.DictReader(f))
+        # through CSV, as the reference was read: the same strings on both sides
+        with open(os.path.join(out_dir, "results.csv")) as f:
+            lines, not_reproduced = compare(list(csv.DictReader(f)), reference, suite)
+        with open(os.path.join(out_dir, "comparison.md"), "w") as f:
+            f.write(f"# {suite_name}: this run against {compare_to}\n\n" + "\n".join(lines) + "\n")
+        print("\n".join(lines))
+    return 1 if failed or not_reproduced else 0
 
 
 if __name__ == "__main__":
