@@ -39,6 +39,7 @@ class Config:
     ds_config: str = ""  # DeepSpeed JSON template; "" = ds_configs/zero{zero_stage}.json. Its "auto" fields come from this config
     precision: str = "auto"  # fp32 | bf16 | fp16 | auto (bf16 on GPUs that support it, else fp32)
     ac: str = "none"  # activation checkpointing: none | full | every_n:K | selective | hierarchical[:K] | offload | auto:BUDGET_GB (models/checkpointing.py)
+    compile: bool = False  # torch.compile the wrapped model (DeepSpeed's engine.compile(), after the checkpointing)
     # optimisation
     micro_batch_size: int = 32  # images per rank per forward/backward
     grad_accum_steps: int = 1  # micro-batches per optimizer step

@@ -199,8 +199,8 @@ def parallelize(model: torch.nn.Module, cfg: Config, ds_config: dict, profile_im
     activation-checkpointing plan.
 
     Order matters and is fixed here: activation checkpointing is applied to the bare blocks first
-    (it must see the modules DeepSpeed will hook), torch.compile would come next, and DeepSpeed
-    goes last so that its ZeRO hooks wrap whatever the blocks have become.
+    (it must see the modules DeepSpeed will hook), then DeepSpeed, so that its ZeRO hooks wrap whatever
+    the blocks have become, then torch.compile (`compile`) through the engine.
     """
     import deepspeed  # heavy import, only once we train
 
@@ -220,6 +220,12 @@ def parallelize(model: torch.nn.Module, cfg: Config, ds_config: dict, profile_im
         _native_linear_in_checkpointed_blocks(model, ac_plan)
         if "selective" in {b["policy"] for b in ac_plan["blocks"]}:
             _hide_zero3_gathers_from_selective_checkpointing(model, ac_plan)
+    if cfg.compile:
+        # DeepSpeed's own entry point: it compiles the module with its ZeRO hooks in place (ZeRO-3's break
+        # the graph around each module's gather; the checkpointed blocks trace through)
+        engine.compile()
+        log("compile: the model is compiled by torch.compile, through DeepSpeed's engine.compile(); the first "
+            "steps are slow while it compiles" if engine.is_compiled else "compile: DeepSpeed did not compile the model")
     return engine, ac_plan
 
 

@@ -190,3 +190,18 @@ def test_selective_composes_with_bf16_and_grad_accumulation(debug_args, tmp_path
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == [1, 2] and all(r["loss"] == r["loss"] for r in records)  # no NaN
     assert json.loads((tmp_path / "ds_config.json").read_text())["bf16"]["enabled"] is True
+
+
+def test_compile_composes_with_selective_under_zero3(debug_args, tmp_path):
+    """`compile: true` (DeepSpeed's engine.compile()) over selective checkpointing and ZeRO-3's hooks: 2 ranks,
+    real DeepSpeed, the same losses as eager to fp32 rounding (inductor fuses differently)."""
+    losses = {}
+    for compiled in ("false", "true"):
+        out = tmp_path / compiled
+        proc = launch(debug_args + ["--model", "vit-debug", "--max_steps", "3", "--eval_every", "0", "--save_every",
+                                    "0", "--micro_batch_size", "8", "--zero_stage", "3", "--ac", "selective",
+                                    "--compile", compiled, "--output_dir", out])
+        assert ("the model is compiled by torch.compile" in proc.stdout) == (compiled == "true")
+        losses[compiled] = [r["loss"] for r in read_metrics(out)]
+    assert len(losses["true"]) == 3
+    assert losses["true"] == pytest.approx(losses["false"], rel=1e-5)
