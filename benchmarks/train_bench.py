@@ -424,7 +424,7 @@ SPEED_NOISE = 0.05  # images/s relative to the run's own FSDP2 no-AC median
 PEAK_NOISE = 0.03  # peak allocated bytes
 
 
-def compare(rows: list, reference: list, suite: Suite) -> tuple:
+def compare(rows: list, reference: list) -> tuple:
     """Markdown lines comparing a rerun's rows with a reference run's, and the rows not reproduced.
 
     Speed is compared as each configuration's median images/s over its own run's FSDP2 no-AC median (the
@@ -435,13 +435,14 @@ def compare(rows: list, reference: list, suite: Suite) -> tuple:
     def keyed(rs):
         return {(r["shape"], r["config"]): r for r in rs}
 
-    def base(rs, shape):
-        return float(keyed(rs)[(shape, "FSDP2 + no AC")]["images_per_sec"])
+    def baselines(rs):
+        return {r["shape"]: float(r["images_per_sec"]) for r in rs if r["config"] == "FSDP2 + no AC"}
 
     def spread(r, column):
         return (float(r[f"{column}_max"]) - float(r[f"{column}_min"])) / float(r[column])
 
     new, ref = keyed(rows), keyed(reference)
+    base_new, base_ref = baselines(rows), baselines(reference)
     lines = ["| shape | config | images/s vs FSDP2 no-AC: reference -> rerun | change (noise) | peak MiB: reference "
              "-> rerun | change (noise) | recompute FLOPs | reproduced |", "|---|---|---|---|---|---|---|---|"]
     missed = []
@@ -451,8 +452,8 @@ def compare(rows: list, reference: list, suite: Suite) -> tuple:
             missed.append(key)
             lines.append(f"| {key[0][:12]} | {key[1]} | missing in one run | | | | | **no** |")
             continue
-        a = float(old["images_per_sec"]) / base(reference, key[0])
-        b = float(r["images_per_sec"]) / base(rows, key[0])
+        a = float(old["images_per_sec"]) / base_ref[key[0]]
+        b = float(r["images_per_sec"]) / base_new[key[0]]
         speed_noise = max(SPEED_NOISE, spread(old, "images_per_sec"), spread(r, "images_per_sec"))
         peak_noise = max(PEAK_NOISE, spread(old, "peak_alloc_mib"), spread(r, "peak_alloc_mib"))
         pa, pb, what = float(old["peak_alloc_mib"]), float(r["peak_alloc_mib"]), ""
@@ -563,7 +564,7 @@ def report(out_dir: str, suite_name: str, suite: Suite, results: list, gemm: lis
             reference = list(csv.DictReader(f))
         # through CSV, as the reference was read: the same strings on both sides
         with open(os.path.join(out_dir, "results.csv")) as f:
-            lines, not_reproduced = compare(list(csv.DictReader(f)), reference, suite)
+            lines, not_reproduced = compare(list(csv.DictReader(f)), reference)
         with open(os.path.join(out_dir, "comparison.md"), "w") as f:
             f.write(f"# {suite_name}: this run against {compare_to}\n\n" + "\n".join(lines) + "\n")
         print("\n".join(lines))

@@ -246,9 +246,14 @@ def kept_bytes(p: BlockProfile, how: str) -> int:
     return {"selective": p.bytes_selective, "full": p.bytes_full}.get(how, p.bytes_none)
 
 
+def recompute_flops(p: BlockProfile, how: str) -> int:
+    """Matmul and attention FLOPs the backward repeats for block `p` under `how` (what torch's counter sees)."""
+    return {"selective": p.flops_selective, "full": p.flops_full}.get(how, 0)
+
+
 def recompute_cost(p: BlockProfile, how: str) -> int:
     """Work the backward repeats for block `p` under `how`: FLOPs, plus one per element of the cheap ops."""
-    return {"selective": p.flops_selective + p.cheap_elems, "full": p.flops_full + p.cheap_elems}.get(how, 0)
+    return recompute_flops(p, how) + (p.cheap_elems if how in ("selective", "full") else 0)
 
 
 def plan_for_budget(profile: list[BlockProfile], activation_budget: int):
@@ -325,9 +330,7 @@ def apply_activation_checkpointing(model, ac: str, device_type: str, profile_ima
         fwd = sum(p.flops for p in profile)
         recompute = sum(recompute_cost(p, how) for p, how in zip(profile, plan))
         result["recompute_flops_fraction"] = recompute / (3 * fwd) if fwd else 0.0  # of forward + backward
-        # the matmul and attention FLOPs alone: what torch's FLOP counter sees the backward repeat
-        result["recompute_matmul_flops"] = sum(recompute_cost(p, how) - p.cheap_elems * (how != "none")
-                                               for p, how in zip(profile, plan))
+        result["recompute_matmul_flops"] = sum(recompute_flops(p, how) for p, how in zip(profile, plan))
         if name in ("auto", "hierarchical"):
             counts = {h: plan.count(h) for h in ("none", "selective", "full")}
             log(f"ac {ac}: {counts} | activations {result['activation_bytes_planned'] / 2**20:.1f} MiB of "

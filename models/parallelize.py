@@ -244,12 +244,17 @@ def _native_linear_in_checkpointed_blocks(model, ac_plan):
     exists to keep gathered weights from being saved for the backward, and a checkpointed block saves
     nothing but its input and, under `selective`, the matmul outputs, so inside one it is not needed.
     """
-    recomputed = {b["name"] for b in ac_plan["blocks"] if b["policy"] in ("full", "selective")}
-    for block_name, block in model.named_modules():
-        if block_name in recomputed:
-            for module in block.modules():
-                if isinstance(module, torch.nn.Linear):
-                    module.forward = _native_linear.__get__(module)
+    for module in _modules_of_blocks(model, ac_plan, ("full", "selective")):
+        if isinstance(module, torch.nn.Linear):
+            module.forward = _native_linear.__get__(module)
+
+
+def _modules_of_blocks(model, ac_plan, policies):
+    """Every module inside the blocks whose planned policy is one of `policies`."""
+    names = {b["name"] for b in ac_plan["blocks"] if b["policy"] in policies}
+    for name, block in model.named_modules():
+        if name in names:
+            yield from block.modules()
 
 
 def _hide_zero3_gathers_from_selective_checkpointing(model, ac_plan):
@@ -272,15 +277,11 @@ def _hide_zero3_gathers_from_selective_checkpointing(model, ac_plan):
         run._zero3_hidden = True
         return run
 
-    selective = {b["name"] for b in ac_plan["blocks"] if b["policy"] == "selective"}
-    for block_name, block in model.named_modules():
-        if block_name not in selective:
-            continue
-        for module in block.modules():
-            for hooks in (module._forward_pre_hooks, module._forward_hooks):
-                for key, hook in list(hooks.items()):
-                    if getattr(hook, "__module__", "").startswith("deepspeed.") and                             not getattr(hook, "_zero3_hidden", False):
-                        hooks[key] = hidden(hook)
+    for module in _modules_of_blocks(model, ac_plan, ("selective",)):
+        for hooks in (module._forward_pre_hooks, module._forward_hooks):
+            for key, hook in list(hooks.items()):
+                if getattr(hook, "__module__", "").startswith("deepspeed.") and not getattr(hook, "_zero3_hidden", False):
+                    hooks[key] = hidden(hook)
 
 
 def _zero3_linear(input, weight, bias=None):

@@ -47,7 +47,8 @@ for name in ("vit-debug", "swin-debug"):
         for step in range(4):
             g = torch.Generator().manual_seed(100 * step + rank)
             x, y = torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
-            with FlopCounterMode(display=False) as counter:  # the last step's forward and backward, recompute included
+            # every step's forward and backward counted (recompute included); the last step's counter is kept
+            with FlopCounterMode(display=False) as counter:
                 loss = F.cross_entropy(engine(x).logits, y)
                 engine.backward(loss)
             engine.step()
