@@ -102,7 +102,9 @@ def evaluate(engine, loader, dtype, device):
         logits = engine(images).logits.float()  # (B, num_labels)
         top = logits.topk(min(5, logits.shape[-1]), dim=-1).indices
         hits = top == labels[:, None]
-        totals += torch.stack([hits[:, 0].sum(), hits.any(-1).sum(), torch.tensor(len(labels))]).to(totals)
+        # the count on the GPU as well: torch.stack does not move a CPU scalar the way arithmetic does
+        count = torch.tensor(len(labels), device=device)
+        totals += torch.stack([hits[:, 0].sum(), hits.any(-1).sum(), count]).to(totals)
     dist.all_reduce(totals)
     engine.train()
     return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()

@@ -249,7 +249,8 @@ def main():
         if spec.engine == "deepspeed":
             plan = step_fn.plan
             result["ac_plan"] = {k: plan.get(k) for k in ("activation_bytes_planned", "activation_bytes_none",
-                                                         "recompute_flops_fraction", "fixed_bytes_estimate")}
+                                                         "activation_peak_planned", "recompute_flops_fraction",
+                                                         "fixed_bytes_estimate")}
             result["ac_plan"]["blocks"] = [b["policy"] for b in plan["blocks"]]
         with open(args.out, "w") as f:
             json.dump(result, f)

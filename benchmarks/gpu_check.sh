@@ -1,24 +1,61 @@
 #!/usr/bin/env bash
-# The GPU paths in one short script, for a session that is lent a GPU (one H200 here); ~8 minutes.
-#   bash benchmarks/gpu_check.sh     # writes benchmarks/results/gpu-check/
-# 1. train.py in bf16 on one rank over NCCL (the main job's recipe, 200 steps), with its torch.cuda figures;
-# 2. every activation-checkpointing policy, bf16, one rank: loss equal to `none` and the allocator's peak;
-# 3. the gpu benchmark suite on the GPUs present, one repeat (a check of the harness, not a result).
-set -euo pipefail
+# The GPU paths in one short script, for a session that is lent a GPU; ~6 minutes on one H200.
+#   bash benchmarks/gpu_check.sh [OUT]     # default OUT: benchmarks/results/gpu-check
+# 1. the GPU, versions, and a bf16 GEMM's rate (8192^3, the figure MFU is read against);
+# 2. train.py's main job (digits) in bf16 on one rank over NCCL, with its torch.cuda memory figures;
+# 3. every activation-checkpointing policy under ZeRO-3 in bf16 (offload included: GPU only), and fp16 with
+#    its loss scaler under ZeRO-2: 20 steps each, the last logged loss beside `none`'s;
+# 4. the gpu-small benchmark suite (ViT-L/16, one GPU, one repeat): a check of the harness, not a result.
+# Each step has its own time limit, so one that hangs leaves the others' figures.
+set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=benchmarks/results/gpu-check
+OUT=${1:-benchmarks/results/gpu-check}
 mkdir -p "$OUT"
 PY=${PY:-.venv/bin/python}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+run() { local limit=$1; shift; timeout "$limit" "$@"; local rc=$?; [ $rc -eq 0 ] || echo "FAILED (exit $rc): $*"; }
+
+echo "== 1. machine"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+$PY - <<'EOF'
+import time, torch, deepspeed, transformers
+print(f"torch {torch.__version__} (CUDA {torch.version.cuda}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}) | "
+      f"deepspeed {deepspeed.__version__} | transformers {transformers.__version__}")
+a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+for _ in range(3):
+    a @ a
+rates = []
+for _ in range(5):
+    torch.cuda.synchronize(); t = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    torch.cuda.synchronize(); rates.append(10 * 2 * 8192**3 / (time.perf_counter() - t) / 1e12)
+print(f"bf16 GEMM 8192^3: median {sorted(rates)[2]:.0f} TFLOP/s (min {min(rates):.0f}, max {max(rates):.0f})")
+EOF
 [ -f data/digits/_info.json ] || $PY data/make_shards.py digits data/digits
-$PY -m torch.distributed.run --nproc_per_node 1 train.py --config configs/digits-vit.yaml --precision bf16 \
-  --max_steps 200 --eval_every 200 --save_every 0 --output_dir "$OUT/digits-bf16" --progress false 2>&1 | tail -3 \
-  | tee "$OUT/train.txt"
-tail -1 "$OUT/digits-bf16/metrics.jsonl" >> "$OUT/train.txt"
-for ac in none selective full hierarchical offload; do
-  $PY -m torch.distributed.run --nproc_per_node 1 train.py --config configs/digits-vit.yaml --precision bf16 \
-    --zero_stage 3 --ac $ac --max_steps 20 --eval_every 0 --save_every 0 --output_dir "$OUT/ac-$ac" --progress false \
-    > /dev/null 2>&1 && echo "$ac $(tail -1 $OUT/ac-$ac/metrics.jsonl)" | tee -a "$OUT/ac.txt"
-done
-timeout 420 $PY benchmarks/train_bench.py --suite gpu --ranks "$($PY -c 'import torch; print(torch.cuda.device_count())')" \
-  --repeats 1 --out "$OUT/suite" || echo "gpu suite: exit $?" | tee -a "$OUT/suite.txt"
+
+echo "== 2. train.py, digits, bf16, 1 rank, NCCL"
+run 150 $PY -m torch.distributed.run --nproc_per_node 1 train.py --config configs/digits-vit.yaml --precision bf16 \
+  --save_every 0 --output_dir "$OUT/digits-bf16" --progress false > "$OUT/digits-bf16.log" 2>&1
+grep -v "^\[" "$OUT/digits-bf16.log" | tail -4
+tail -1 "$OUT/digits-bf16/metrics.jsonl" 2>/dev/null
+
+echo "== 3. activation checkpointing on the GPU: 20 steps each, last loss"
+policy() {  # precision stage ac
+  local dir="$OUT/ac-$1-zero$2-${3//:/_}"
+  run 90 $PY -m torch.distributed.run --nproc_per_node 1 train.py --config configs/digits-vit.yaml --precision "$1" \
+    --zero_stage "$2" --ac "$3" --max_steps 20 --eval_every 0 --save_every 0 --output_dir "$dir" --progress false \
+    > "$dir.log" 2>&1 || tail -5 "$dir.log"
+  $PY - "$dir/metrics.jsonl" "$1 ZeRO-$2 $3" <<'EOF' 2>&1 | tail -1
+import json, sys
+r = [json.loads(line) for line in open(sys.argv[1])][-1]
+print(f"{sys.argv[2]:28s} step {r['step']}: loss {r['loss']:.6f} | peak {r['peak_mem_bytes'] / 2**20:.0f} MiB | "
+      f"activations planned {r['ac/activation_bytes'] / 2**20:.1f} MiB | recompute {r['ac/recompute_flops_frac']:.1%} "
+      f"| {r['images_per_sec']:.0f} img/s")
+EOF
+}
+for ac in none selective full every_n:2 hierarchical offload; do policy bf16 3 "$ac"; done
+for ac in none selective; do policy fp16 2 "$ac"; done
+
+echo "== 4. the gpu-small benchmark suite"
+run 270 $PY benchmarks/train_bench.py --suite gpu-small --out "$OUT/suite" > "$OUT/suite.log" 2>&1
+grep -v "it/s\]\|s/it\]" "$OUT/suite.log" | tail -40

@@ -4,6 +4,7 @@ plain PyTorch FSDP2 with Hugging Face's own checkpointing. One command per suite
     .venv/bin/python benchmarks/train_bench.py --suite cpu-smoke   # ~2 min: checks the harness (a test runs it)
     .venv/bin/python benchmarks/train_bench.py --suite cpu         # ~40 min on 2 cores: the committed results
     .venv/bin/python benchmarks/train_bench.py --suite gpu         # one 8-GPU node, bf16 (not run here)
+    .venv/bin/python benchmarks/train_bench.py --suite gpu-small   # one GPU, ViT-L, one repeat: a check
     .venv/bin/python benchmarks/train_bench.py --suite cpu --out /tmp/rerun --compare benchmarks/results/cpu
                                                                    # a rerun, checked against the committed one
 
@@ -108,6 +109,12 @@ SUITES = {
         runs={"*": [fsdp2("none"), fsdp2("full"), fsdp2("every_n:2"), *zero(2, "none", "selective", "full"),
                     *zero(3, "none", "selective", "full", "hierarchical", "auto:race")]},
         repeats=3, profiled_steps=3, timed_steps=10, ranks=8, targets_shape="vit-large"),
+    # the gpu suite's first shape on one GPU, once: checks the harness's GPU path in ~3 minutes (gpu_check.sh)
+    "gpu-small": Suite(
+        shapes=[Shape("vit-large", 224, 16, 32, "ViT-L/16, 224x224, batch 32 per GPU")],
+        runs={"*": [fsdp2("none"), fsdp2("full"), *zero(2, "none", "selective"),
+                    *zero(3, "none", "selective", "full", "auto:race")]},
+        repeats=1, profiled_steps=3, timed_steps=10, ranks=1, timeout_s=240, targets_shape="vit-large"),
 }
 
 
@@ -492,8 +499,8 @@ def main(argv=None):
         import dataclasses
 
         suite = dataclasses.replace(suite, ranks=args.ranks or suite.ranks, repeats=args.repeats or suite.repeats)
-    if args.suite == "gpu" and torch.cuda.device_count() < suite.ranks:
-        sys.exit(f"error: the gpu suite needs {suite.ranks} GPUs on this node; found {torch.cuda.device_count()}")
+    if args.suite.startswith("gpu") and torch.cuda.device_count() < suite.ranks:
+        sys.exit(f"error: the {args.suite} suite needs {suite.ranks} GPUs on this node; found {torch.cuda.device_count()}")
     out_dir = args.out or os.path.join(REPO, "benchmarks", "results", args.suite)
     os.makedirs(out_dir, exist_ok=True)
     threads = max(1, (os.cpu_count() or 1) // suite.ranks) if not torch.cuda.is_available() else 1

@@ -131,16 +131,23 @@ class BlockProfile:
                             round(self.flops_selective * factor), round(self.cheap_elems * factor), self.keep)
 
 
+# ops that only copy or rescale one tensor: a saved tensor made from a compute output by these alone is that
+# output in another layout (transformers' eager and math-SDPA attention save `(q * scale).contiguous()`)
+COPY_OPS = {aten.clone, aten.contiguous, aten._to_copy, aten.copy_, aten.mul, aten.div}
+
+
 class _OpRecorder(torch.utils._python_dispatch.TorchDispatchMode):
     """Bytes of compute-op outputs and element counts of the other ops, per active block."""
 
     def __init__(self):
         super().__init__()
         self.block, self.compute_outputs, self.cheap_ops, self.packs = None, {}, {}, {}
-        # Compute outputs are matched to saved tensors by storage address; holding them for the profile's
-        # forward keeps a freed output's address from being reused by a later saved tensor, which made
-        # `keep` mark unsaved outputs at random (measured: the attention out-projection in 2-9 of 12 ViT-S
-        # blocks, varying by process).
+        # storage address -> (block, index of the compute op) it was copied or rescaled from
+        self.copied_from = {}
+        # Compute outputs (and copies of them) are matched to saved tensors by storage address; holding them
+        # for the profile's forward keeps a freed output's address from being reused by a later saved tensor,
+        # which made `keep` mark unsaved outputs at random (measured: the attention out-projection in 2-9 of
+        # 12 ViT-S blocks, varying by process).
         self.alive = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -154,11 +161,18 @@ class _OpRecorder(torch.utils._python_dispatch.TorchDispatchMode):
                 storage = tensors[0].untyped_storage()
                 count = flop_registry.get(func._overloadpacket)
                 flops = count(*args, **(kwargs or {}), out_val=out) if count else 0
-                self.compute_outputs.setdefault(self.block, []).append(
-                    (storage.data_ptr(), storage.nbytes(), flops, packs))
+                ops = self.compute_outputs.setdefault(self.block, [])
+                self.copied_from[storage.data_ptr()] = (self.block, len(ops))
+                ops.append((storage.data_ptr(), storage.nbytes(), flops, packs))
             elif func._overloadpacket not in (aten.view, aten._unsafe_view, aten.t, aten.transpose, aten.permute,
                                               aten.expand, aten.reshape, aten.detach, aten.slice, aten.select):
                 self.cheap_ops.setdefault(self.block, []).append((sum(t.numel() for t in tensors), packs))
+                sources = [a for a in args if isinstance(a, torch.Tensor)]
+                if func._overloadpacket in COPY_OPS and len(sources) == 1 and tensors:
+                    origin = self.copied_from.get(sources[0].untyped_storage().data_ptr())
+                    if origin is not None:
+                        self.alive.append(tensors[0])
+                        self.copied_from[tensors[0].untyped_storage().data_ptr()] = origin
         return out
 
 
@@ -213,11 +227,14 @@ def profile_blocks(model, images: torch.Tensor) -> list[BlockProfile]:
     for b in blocks:
         f = sum(per_module.get(f"{type(model).__name__}.{b.name}", {}).values())
         none = sum(saved[b.name].values())
-        # `selective` keeps the outputs the backward reads. One that only feeds cheap ops is not kept: after
-        # the last saved tensor (the MLP's last matmul) it is never recomputed; before it (the attention
-        # out-projection, whose residual sum the next norm saves) its matmul reruns, counted below.
+        # `selective` keeps the outputs the backward reads, itself or as a copy (keeping the output costs the
+        # copy's bytes and saves rerunning its matmul: Swin's q, k and v). One that only feeds other cheap ops
+        # is not kept: after the last saved tensor (the MLP's last matmul) it is never recomputed; before it
+        # (the attention out-projection, whose residual sum the next norm saves) its matmul reruns, counted
+        # below.
         outputs = recorder.compute_outputs.get(b.name, [])
-        keep = [ptr in saved[b.name] for ptr, *_ in outputs]
+        read = {recorder.copied_from.get(ptr) for ptr in saved[b.name]}
+        keep = [ptr in saved[b.name] or (b.name, i) in read for i, (ptr, *_) in enumerate(outputs)]
         kept = sum(nbytes for (ptr, nbytes, *_), k in zip(outputs, keep) if k)
         last = recorder.packs.get(b.name, 0)
         rerun = [(flops, k) for (_, _, flops, packs), k in zip(outputs, keep) if packs < last]
@@ -256,22 +273,33 @@ def recompute_cost(p: BlockProfile, how: str) -> int:
     return recompute_flops(p, how) + (p.cheap_elems if how in ("selective", "full") else 0)
 
 
+def activation_peak(profile: list[BlockProfile], plan: list) -> int:
+    """Activation bytes at the step's highest point under `plan`: the end of the forward (every block's kept
+    bytes), or the backward of a recomputed block, which rematerialises all it would have saved while the
+    blocks before it still hold theirs (the blocks after it are done and freed)."""
+    kept = [kept_bytes(p, how) for p, how in zip(profile, plan)]
+    peak = sum(kept)
+    for i, (p, how) in enumerate(zip(profile, plan)):
+        if how in ("selective", "full"):
+            peak = max(peak, sum(kept[:i]) + p.bytes_none)
+    return peak
+
+
 def plan_for_budget(profile: list[BlockProfile], activation_budget: int):
-    """Per-block choice of none/selective/full with the least recompute whose activations fit the budget.
+    """Per-block choice of none/selective/full with the least recompute whose activation peak fits the budget.
 
     Greedy on bytes saved per recomputed FLOP: a block moves none -> selective -> full, the cheapest
     saving first. A level costs the matmul FLOPs its recompute reruns plus its cheap ops (one FLOP per
     element produced).
-    Returns (plan, activation bytes, recompute FLOPs) or raises when even `full` everywhere does not fit.
+    Returns (plan, activation peak, recompute FLOPs) or raises when even `full` everywhere does not fit.
     """
     levels = ("none", "selective", "full")
     plan = ["none"] * len(profile)
-    used = sum(p.bytes_none for p in profile)
-    floor = sum(p.bytes_full for p in profile)
+    floor = activation_peak(profile, ["full"] * len(profile))
     if floor > activation_budget:
         raise ConfigError(f"activation budget {activation_budget / 2**30:.3f} GiB is below what full recompute "
                           f"still keeps ({floor / 2**30:.3f} GiB)")
-    while used > activation_budget:
+    while activation_peak(profile, plan) > activation_budget:
         best = None
         for i, p in enumerate(profile):
             if plan[i] == "full":
@@ -281,12 +309,12 @@ def plan_for_budget(profile: list[BlockProfile], activation_budget: int):
             extra = recompute_cost(p, nxt) - recompute_cost(p, plan[i])
             ratio = saved / max(extra, 1)
             if saved > 0 and (best is None or ratio > best[0]):
-                best = (ratio, i, nxt, saved)
+                best = (ratio, i, nxt)
         if best is None:
             break
-        _, i, nxt, saved = best
-        plan[i], used = nxt, used - saved
-    return plan, used, sum(recompute_cost(p, how) for p, how in zip(profile, plan))
+        _, i, nxt = best
+        plan[i] = nxt
+    return plan, activation_peak(profile, plan), sum(recompute_cost(p, how) for p, how in zip(profile, plan))
 
 
 def apply_activation_checkpointing(model, ac: str, device_type: str, profile_images=None, fixed_bytes: int = 0,
@@ -327,14 +355,16 @@ def apply_activation_checkpointing(model, ac: str, device_type: str, profile_ima
         result["profile"] = [p.__dict__ for p in profile]
         result["activation_bytes_planned"] = sum(kept_bytes(p, how) for p, how in zip(profile, plan))
         result["activation_bytes_none"] = sum(p.bytes_none for p in profile)
+        result["activation_peak_planned"] = activation_peak(profile, plan)
         fwd = sum(p.flops for p in profile)
         recompute = sum(recompute_cost(p, how) for p, how in zip(profile, plan))
         result["recompute_flops_fraction"] = recompute / (3 * fwd) if fwd else 0.0  # of forward + backward
         result["recompute_matmul_flops"] = sum(recompute_flops(p, how) for p, how in zip(profile, plan))
         if name in ("auto", "hierarchical"):
             counts = {h: plan.count(h) for h in ("none", "selective", "full")}
-            log(f"ac {ac}: {counts} | activations {result['activation_bytes_planned'] / 2**20:.1f} MiB of "
-                f"{result['activation_bytes_none'] / 2**20:.1f} MiB | recompute {result['recompute_flops_fraction']:.1%} "
+            mib = {k: result[f"activation_{k}"] / 2**20 for k in ("bytes_planned", "bytes_none", "peak_planned")}
+            log(f"ac {ac}: {counts} | activations {mib['bytes_planned']:.1f} MiB of {mib['bytes_none']:.1f} MiB, "
+                f"{mib['peak_planned']:.1f} MiB at the peak | recompute {result['recompute_flops_fraction']:.1%} "
                 f"of the step's FLOPs")
     return result
 
