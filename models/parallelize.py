@@ -188,8 +188,13 @@ def fixed_memory_bytes(n_params: int, zero_stage: int, world_size: int, precisio
     sizes = [zero.get("reduce_bucket_size", 0), zero.get("allgather_bucket_size", 0) * (zero_stage < 3),
              zero.get("stage3_prefetch_bucket_size", 0) * (zero_stage == 3)]
     buckets = 4 * sum(min(size, n_params) for size in sizes)
-    # ZeRO-3 keeping gathered weights from forward to backward (a template's own large reuse distance)
-    gathered = weight * n_params if zero_stage == 3 and zero.get("stage3_max_reuse_distance", 0) >= n_params else 0
+    # ZeRO-3's gathered weights: up to stage3_max_live_parameters at a time, or all of them when a template's
+    # own reuse distance keeps them from forward to backward
+    gathered = 0
+    if zero_stage == 3:
+        live = n_params if zero.get("stage3_max_reuse_distance", 0) >= n_params else \
+            min(zero.get("stage3_max_live_parameters", n_params), n_params)
+        gathered = weight * live
     return int(n_params * per_param[zero_stage] + buckets + gathered)
 
 

@@ -2,7 +2,7 @@ import json
 
 import pytest
 from config import Config, ConfigError
-from models.parallelize import build_ds_config, lr_schedule, param_groups
+from models.parallelize import build_ds_config, fixed_memory_bytes, lr_schedule, param_groups
 
 
 def test_auto_fields_come_from_the_run_config():
@@ -20,6 +20,23 @@ def test_auto_fields_come_from_the_run_config():
     assert zero["stage3_prefetch_bucket_size"] == int(0.9 * 1024 * 1024)
     assert zero["stage3_param_persistence_threshold"] == 10 * 1024
     assert "auto" not in json.dumps(ds)
+
+
+def test_fixed_memory_follows_zero_accounting():
+    """Per rank, fp32: 4 + 4 + 12 bytes per parameter, partitioned stage by stage over the ranks; ZeRO-3 adds
+    the weights it may hold gathered at once (stage3_max_live_parameters), or all of them when its reuse
+    distance spans the model."""
+    n, world, hidden = 300_000_000, 8, 1024
+    sizes = {stage: fixed_memory_bytes(n, stage, world, "fp32", build_ds_config(Config(zero_stage=stage), hidden,
+                                                                                 world, "fp32"))
+             for stage in (1, 2, 3)}
+    buckets = 4 * (2 * 2**20)  # reduce + allgather (stages 1-2) or prefetch (3) buckets, fp32
+    assert sizes[1] == pytest.approx(n * (4 + 4 + 12 / world) + buckets, rel=0.01)
+    assert sizes[2] == pytest.approx(n * (4 + 16 / world) + buckets, rel=0.01)
+    assert sizes[3] == pytest.approx(n * 20 / world + buckets + 4 * 24 * hidden**2, rel=0.01)
+    ds = build_ds_config(Config(zero_stage=3), hidden, world, "fp32")
+    ds["zero_optimization"]["stage3_max_reuse_distance"] = n
+    assert fixed_memory_bytes(n, 3, world, "fp32", ds) == pytest.approx(n * (20 / world + 4) + buckets, rel=0.01)
 
 
 @pytest.mark.parametrize("template,message", [
