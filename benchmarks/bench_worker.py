@@ -250,7 +250,7 @@ def main():
             plan = step_fn.plan
             result["ac_plan"] = {k: plan.get(k) for k in ("activation_bytes_planned", "activation_bytes_none",
                                                          "activation_peak_planned", "recompute_flops_fraction",
-                                                         "fixed_bytes_estimate")}
+                                                         "fixed_bytes_estimate", "peak_bytes_planned")}
             result["ac_plan"]["blocks"] = [b["policy"] for b in plan["blocks"]]
         with open(args.out, "w") as f:
             json.dump(result, f)

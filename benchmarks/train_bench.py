@@ -261,6 +261,11 @@ def summarise(results: list, shapes: list, suite: Suite, flops: dict, peak_gflop
                 max_rss_mib=round(statistics.median(max(r["max_rss_bytes"]) for r in jobs) / MiB, 1),
                 final_loss=round(loss, 6), loss_rel_diff=f"{abs(loss - reference_loss) / abs(reference_loss):.1e}",
                 ac_plan="/".join(f"{p[0]}" for p in first.get("ac_plan", {}).get("blocks", [])))
+            plan = first.get("ac_plan", {})
+            if plan.get("peak_bytes_planned") is not None:  # the planner's prediction, against the peak
+                planned = plan["peak_bytes_planned"] / MiB
+                row.update(planned_peak_mib=round(planned, 1),
+                           planned_error=round(planned / row["peak_alloc_mib"] - 1, 4))
             rows.append(row)
     return rows
 
@@ -361,14 +366,14 @@ def write_markdown(path: str, suite_name: str, suite: Suite, rows: list, targets
             f.write(f"| {name} | {'yes' if ok else '**missed**'} | {figures} |\n")
         for shape in suite.shapes:
             f.write(f"\n## {shape.label}\n\n| configuration | images/s, median (min-max) | MFU | recompute | peak "
-                    f"MiB/rank | setup peak | step peak | activations | max RSS | loss after "
+                    f"MiB/rank | planned peak (error) | setup peak | step peak | activations | max RSS | loss after "
                     f"{suite.profiled_steps + suite.timed_steps} steps (rel. diff) |\n"
-                    "|---|---|---|---|---|---|---|---|---|---|\n")
+                    "|---|---|---|---|---|---|---|---|---|---|---|\n")
             for r in rows:
                 if r["shape"] != shape.label:
                     continue
                 if "images_per_sec" not in r:
-                    f.write(f"| {r['config']} | failed ({r['jobs_failed']} jobs, see failed.log) |||||||||\n")
+                    f.write(f"| {r['config']} | failed ({r['jobs_failed']} jobs, see failed.log) ||||||||||\n")
                     continue
                 budget = f" ({r['budget_gib'] * 1024:.0f} MiB)" if r["budget_gib"] else ""
                 if r["jobs_failed"]:
@@ -376,7 +381,8 @@ def write_markdown(path: str, suite_name: str, suite: Suite, rows: list, targets
                 rec = f"{r['recompute_flops_frac']:+.0%}" if r["recompute_flops_frac"] != "" else ""
                 f.write(f"| {r['config']}{budget} | {r['images_per_sec']:.2f} ({r['images_per_sec_min']:.2f}-"
                         f"{r['images_per_sec_max']:.2f}) | {r['mfu']:.1%} | {rec} | {r['peak_alloc_mib']:.0f} | "
-                        f"{r['setup_peak_mib']:.0f} | {r['step_peak_mib']:.0f} | {r['activation_mib']:.0f} | "
+                        + (f"{r['planned_peak_mib']:.0f} ({r['planned_error']:+.1%})" if "planned_peak_mib" in r else "")
+                        + f" | {r['setup_peak_mib']:.0f} | {r['step_peak_mib']:.0f} | {r['activation_mib']:.0f} | "
                         f"{r['max_rss_mib']:.0f} | {r['final_loss']:.5f} ({r['loss_rel_diff']}) |\n")
 
 

@@ -122,13 +122,18 @@ class BlockProfile:
     flops_selective: int  # those of them whose outputs `selective` does not keep (see `keep`): rerun under it
     cheap_elems: int  # elements produced by the other ops before the last saved tensor: rerun by both
     keep: list  # per compute op in forward order: is its output saved for the backward by a later op?
+    # What the block's backward holds beside the saved activations: the gradient of its largest matmul
+    # output and of its input (measured on ViT-S under ZeRO-3: 14.4 + 3.0 MiB at the step's peak, against
+    # 12.2 + 3.0 counted this way)
+    bytes_grad: int = 0
 
     def scaled(self, factor: float) -> "BlockProfile":
         """The profile of a batch `factor` times larger: every saved activation, FLOP and element of a ViT
         or Swin block is proportional to the batch (the weights, which are not, are not counted)."""
         return BlockProfile(self.name, self.stage, round(self.bytes_none * factor), round(self.bytes_selective * factor),
                             round(self.bytes_full * factor), round(self.flops * factor), round(self.flops_full * factor),
-                            round(self.flops_selective * factor), round(self.cheap_elems * factor), self.keep)
+                            round(self.flops_selective * factor), round(self.cheap_elems * factor), self.keep,
+                            round(self.bytes_grad * factor))
 
 
 # ops that only copy or rescale one tensor: a saved tensor made from a compute output by these alone is that
@@ -176,7 +181,18 @@ class _OpRecorder(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
-def profile_blocks(model, images: torch.Tensor) -> list[BlockProfile]:
+class Profile(list):
+    """The blocks' profiles, in forward order, and the activation bytes saved outside any block (the stem,
+    Swin's patch merging, the final norm and head), which no policy changes."""
+    bytes_outside: int = 0
+
+    def scaled(self, factor: float) -> "Profile":
+        out = Profile(p.scaled(factor) for p in self)
+        out.bytes_outside = round(self.bytes_outside * factor)
+        return out
+
+
+def profile_blocks(model, images: torch.Tensor) -> Profile:
     """One forward of the unwrapped model: saved-tensor bytes (unique storages; activations only, not the
     weights the matmuls also save), FLOPs and cheap-op work per block."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -200,9 +216,9 @@ def profile_blocks(model, images: torch.Tensor) -> list[BlockProfile]:
     def pack(t):
         if recorder.block is not None:  # weights count as saved tensors for the early stop, not as bytes
             recorder.packs[recorder.block] = recorder.packs.get(recorder.block, 0) + 1
-        if recorder.block is not None and t.untyped_storage().data_ptr() not in weights:
+        if t.untyped_storage().data_ptr() not in weights:
             storage = t.untyped_storage()
-            saved[recorder.block][storage.data_ptr()] = storage.nbytes()
+            saved.setdefault(recorder.block, {})[storage.data_ptr()] = storage.nbytes()
         # Detached: a saved output returned as itself closes a cycle through its own grad_fn that Python's
         # collector cannot see, and the profiled forward would stay allocated (measured: all of it, for good).
         # This forward never runs a backward.
@@ -223,7 +239,9 @@ def profile_blocks(model, images: torch.Tensor) -> list[BlockProfile]:
             h.remove()
         recorder.alive.clear()
     per_module = flops.get_flop_counts()
-    out = []
+    out = Profile()
+    in_blocks = {ptr for b in blocks for ptr in saved[b.name]}
+    out.bytes_outside = sum(n for ptr, n in saved.get(None, {}).items() if ptr not in in_blocks)
     for b in blocks:
         f = sum(per_module.get(f"{type(model).__name__}.{b.name}", {}).values())
         none = sum(saved[b.name].values())
@@ -240,7 +258,8 @@ def profile_blocks(model, images: torch.Tensor) -> list[BlockProfile]:
         rerun = [(flops, k) for (_, _, flops, packs), k in zip(outputs, keep) if packs < last]
         out.append(BlockProfile(b.name, b.stage, none, min(none, kept + inputs[b.name]), inputs[b.name], int(f),
                                 sum(fl for fl, _ in rerun), sum(fl for fl, k in rerun if not k),
-                                sum(n for n, packs in recorder.cheap_ops.get(b.name, []) if packs < last), keep))
+                                sum(n for n, packs in recorder.cheap_ops.get(b.name, []) if packs < last), keep,
+                                max((nbytes for _, nbytes, *_ in outputs), default=0) + inputs[b.name]))
     return out
 
 
@@ -275,13 +294,13 @@ def recompute_cost(p: BlockProfile, how: str) -> int:
 
 def activation_peak(profile: list[BlockProfile], plan: list) -> int:
     """Activation bytes at the step's highest point under `plan`: the end of the forward (every block's kept
-    bytes), or the backward of a recomputed block, which rematerialises all it would have saved while the
-    blocks before it still hold theirs (the blocks after it are done and freed)."""
+    bytes), or some block's backward, which holds its gradients and, if the block is recomputed, all it
+    would have saved, while the blocks before it still hold theirs (the blocks after it are done and freed)."""
     kept = [kept_bytes(p, how) for p, how in zip(profile, plan)]
     peak = sum(kept)
     for i, (p, how) in enumerate(zip(profile, plan)):
-        if how in ("selective", "full"):
-            peak = max(peak, sum(kept[:i]) + p.bytes_none)
+        held = p.bytes_none if how in ("selective", "full") else kept[i]
+        peak = max(peak, sum(kept[:i]) + held + p.bytes_grad)
     return peak
 
 
@@ -317,9 +336,13 @@ def plan_for_budget(profile: list[BlockProfile], activation_budget: int):
     return plan, activation_peak(profile, plan), sum(recompute_cost(p, how) for p, how in zip(profile, plan))
 
 
-def apply_activation_checkpointing(model, ac: str, device_type: str, profile_images=None, fixed_bytes: int = 0,
+def apply_activation_checkpointing(model, ac: str, device_type: str, profile_images=None, fixed: dict = None,
                                    log=print) -> dict:
-    """Wrap the model's blocks per policy `ac`; returns the plan that was applied (for the run directory)."""
+    """Wrap the model's blocks per policy `ac`; returns the plan that was applied (for the run directory).
+
+    `fixed`: the bytes that do not depend on the batch when the backward starts and at the optimizer step
+    (models.parallelize.zero_memory_bytes); `auto` budgets the activations against them."""
+    fixed = fixed or {"backward": 0, "optimizer_step": 0}
     name, arg = check_policy(ac, device_type)
     if name != "none" and hf_checkpointing_is_on(model):
         raise ConfigError("the model already has Hugging Face activation checkpointing on; nesting it with "
@@ -333,7 +356,7 @@ def apply_activation_checkpointing(model, ac: str, device_type: str, profile_ima
         # profile's own activations (and the compute outputs it holds) from becoming the process's peak
         # memory (measured on ViT-S, batch 32: +1.1 GiB at startup when profiled at full batch).
         small = profile_images[:PROFILE_BATCH]
-        profile = [p.scaled(len(profile_images) / len(small)) for p in profile_blocks(model, small)]
+        profile = profile_blocks(model, small).scaled(len(profile_images) / len(small))
     if name == "none":
         plan = ["none"] * len(blocks)
     elif name in ("full", "selective", "offload"):
@@ -345,8 +368,10 @@ def apply_activation_checkpointing(model, ac: str, device_type: str, profile_ima
         k = arg if arg is not None else default_hierarchical_k(profile, by_stage)
         plan = ["full" if (b.stage if by_stage else b.index) < k else "selective" for b in blocks]
     else:  # auto
-        budget = int(arg * 2**30) - fixed_bytes
-        plan, _, _ = plan_for_budget(profile, budget)
+        if fixed["optimizer_step"] > arg * 2**30:
+            raise ConfigError(f"ac '{ac}': the optimizer step alone needs {fixed['optimizer_step'] / 2**30:.3f} GiB "
+                              "per rank (weights, gradients, AdamW states and temporaries), more than the budget")
+        plan, _, _ = plan_for_budget(profile, int(arg * 2**30) - fixed["backward"] - profile.bytes_outside)
     for i, (block, how) in enumerate(zip(blocks, plan)):
         if how != "none":
             _wrap(block, how, profile[i].keep if profile is not None else None)
@@ -355,7 +380,12 @@ def apply_activation_checkpointing(model, ac: str, device_type: str, profile_ima
         result["profile"] = [p.__dict__ for p in profile]
         result["activation_bytes_planned"] = sum(kept_bytes(p, how) for p, how in zip(profile, plan))
         result["activation_bytes_none"] = sum(p.bytes_none for p in profile)
-        result["activation_peak_planned"] = activation_peak(profile, plan)
+        result["activation_bytes_outside_blocks"] = profile.bytes_outside
+        result["activation_peak_planned"] = activation_peak(profile, plan) + profile.bytes_outside
+        # the step's peak: the activations' on top of what the backward starts with, or the optimizer step's
+        result["fixed_bytes_estimate"] = fixed["backward"]
+        result["peak_bytes_planned"] = max(fixed["backward"] + result["activation_peak_planned"],
+                                           fixed["optimizer_step"])
         fwd = sum(p.flops for p in profile)
         recompute = sum(recompute_cost(p, how) for p, how in zip(profile, plan))
         result["recompute_flops_fraction"] = recompute / (3 * fwd) if fwd else 0.0  # of forward + backward

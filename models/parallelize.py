@@ -171,31 +171,34 @@ def lr_schedule(cfg: Config):
     return factor
 
 
-def fixed_memory_bytes(n_params: int, zero_stage: int, world_size: int, precision: str, ds_config: dict) -> int:
-    """Per-rank bytes that do not depend on the batch: weights, gradients, AdamW states and buckets.
+def zero_memory_bytes(n_params: int, zero_stage: int, world_size: int, precision: str, ds_config: dict) -> dict:
+    """Per-rank bytes that do not depend on the batch, at the two moments that set a step's peak.
 
-    ZeRO's accounting (Rajbhandari et al. 2020): with Adam in mixed precision, 2 bytes of weights, 2 of
-    gradients and 12 of fp32 master weights and moments per parameter. DeepSpeed keeps the fp32 master
-    partition in fp32 training too (a copy of the weights: seen in the profiler as a `clone` at
-    initialisation), so fp32 is 4 + 4 + 12. Stage 1 partitions the optimizer states over ranks, stage 2
-    also the gradients, stage 3 also the weights. A bucket never holds more than the model.
+    ZeRO's accounting (Rajbhandari et al. 2020) with what DeepSpeed allocates when, read off the profiler's
+    allocation events of ViT-S steps under each stage (fp32, 2 ranks; benchmarks/README.md):
+    - `backward`, when the backward starts and the activations peak: the weights (whole under ZeRO-1/2, a
+      partition under ZeRO-3), the fp32 master partition (kept in fp32 training too) and AdamW's two fp32
+      moments. ZeRO-3 also holds its gradient partition (allocated at initialisation), its prefetch
+      bucket and up to stage3_max_live_parameters gathered weights. ZeRO-1/2 hold gradients only across
+      accumulated micro-batches; their buckets fill later in the backward, when activations are freed.
+    - `optimizer_step`, which peaks in AdamW's update: the weights and states as above, two fp32 copies of
+      the gradient partition (the reduced one and the flat one DeepSpeed hands the optimizer) and AdamW's
+      two temporaries of the partition's size (DeepSpeed flattens the partition into one tensor).
     """
     weight = grad = 2 if precision in ("bf16", "fp16") else 4
-    states = 12
-    n = world_size
-    per_param = {1: weight + grad + states / n, 2: weight + (grad + states) / n, 3: (weight + grad + states) / n}
+    n, part = n_params, n_params / world_size
     zero = ds_config.get("zero_optimization", {})
-    sizes = [zero.get("reduce_bucket_size", 0), zero.get("allgather_bucket_size", 0) * (zero_stage < 3),
-             zero.get("stage3_prefetch_bucket_size", 0) * (zero_stage == 3)]
-    buckets = 4 * sum(min(size, n_params) for size in sizes)
-    # ZeRO-3's gathered weights: up to stage3_max_live_parameters at a time, or all of them when a template's
-    # own reuse distance keeps them from forward to backward
-    gathered = 0
+    states = 12 * part  # fp32 master partition and AdamW's exp_avg, exp_avg_sq
     if zero_stage == 3:
-        live = n_params if zero.get("stage3_max_reuse_distance", 0) >= n_params else \
-            min(zero.get("stage3_max_live_parameters", n_params), n_params)
-        gathered = weight * live
-    return int(n_params * per_param[zero_stage] + buckets + gathered)
+        live = n if zero.get("stage3_max_reuse_distance", 0) >= n else min(zero.get("stage3_max_live_parameters", n), n)
+        weights = weight * part + weight * (min(zero.get("stage3_prefetch_bucket_size", 0), n) + live)
+        held = weights + states + grad * part
+    else:
+        weights = weight * n
+        accumulated = (grad * n if zero_stage == 1 else grad * part) if ds_config.get("gradient_accumulation_steps", 1) > 1 \
+            else 0
+        held = weights + states + accumulated
+    return {"backward": int(held), "optimizer_step": int(held + 4 * 4 * part)}
 
 
 def parallelize(model: torch.nn.Module, cfg: Config, ds_config: dict, profile_images: torch.Tensor,
@@ -209,10 +212,9 @@ def parallelize(model: torch.nn.Module, cfg: Config, ds_config: dict, profile_im
     """
     import deepspeed  # heavy import, only once we train
 
-    fixed = fixed_memory_bytes(sum(p.numel() for p in model.parameters()), cfg.zero_stage, world_size, precision,
-                               ds_config)
+    fixed = zero_memory_bytes(sum(p.numel() for p in model.parameters()), cfg.zero_stage, world_size, precision,
+                              ds_config)
     ac_plan = apply_activation_checkpointing(model, cfg.ac, device_type, profile_images, fixed, log)
-    ac_plan["fixed_bytes_estimate"] = fixed
 
     engine, _, _, _ = deepspeed.initialize(
         model=model,

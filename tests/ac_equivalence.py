@@ -18,7 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 from config import Config  # noqa: E402
 from models import build_model  # noqa: E402
 from models.checkpointing import activation_peak, profile_blocks  # noqa: E402
-from models.parallelize import (build_ds_config, exit_distributed, fixed_memory_bytes, parallelize,  # noqa: E402
+from models.parallelize import (build_ds_config, exit_distributed, parallelize, zero_memory_bytes,  # noqa: E402
                                release_deepspeed_shm)
 
 stage, out = [int(a) if a.isdigit() else a for a in sys.argv[1:] if not a.startswith("--local_rank")]
@@ -34,9 +34,9 @@ for name in ("vit-debug", "swin-debug"):
     prof = profile_blocks(probe, images)
     cfg = Config(zero_stage=stage, micro_batch_size=8, lr=1e-3, warmup_steps=1, max_steps=4, weight_decay=0.05)
     ds = build_ds_config(cfg, probe.config.hidden_size, world, "fp32")
-    fixed = fixed_memory_bytes(sum(p.numel() for p in probe.parameters()), stage, world, "fp32", ds)
+    fixed = zero_memory_bytes(sum(p.numel() for p in probe.parameters()), stage, world, "fp32", ds)
     lowest, highest = (activation_peak(prof, [how] * len(prof)) for how in ("full", "none"))
-    mid = (fixed + (lowest + highest) / 2) / 2**30
+    mid = max(fixed["backward"] + prof.bytes_outside + (lowest + highest) / 2, fixed["optimizer_step"]) / 2**30
     for ac in ("none", "full", "every_n:2", "selective", "hierarchical", f"auto:{mid:.9f}"):
         torch.manual_seed(0)
         model, _ = build_model(name, 10, 16)

@@ -30,7 +30,7 @@ CASES = {
     "swin stage narrower than its window": (lambda t, d: ["--model", "swin-tiny", "--image_size", "128"],
                                             "the last is narrower than its 7x7 window: use image_size >= 224"),
     "unknown ac policy": (lambda t, d: ["--ac", "sometimes"], "unknown activation checkpointing policy 'sometimes'"),
-    "impossible ac budget": (lambda t, d: ["--ac", "auto:0.0001"], "below what full recompute still keeps"),
+    "impossible ac budget": (lambda t, d: ["--ac", "auto:0.0001"], "the optimizer step alone needs"),
     "offload on cpu": (lambda t, d: ["--ac", "offload"], "needs a GPU"),
     "fp16 on cpu": (lambda t, d: ["--precision", "fp16"], "precision fp16 needs a GPU"),
     "missing resume checkpoint": (lambda t, d: ["--resume", f"{t}/no-such-checkpoint"], "does not exist"),

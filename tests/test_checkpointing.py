@@ -71,6 +71,7 @@ def test_profile_counts_blocks_flops_and_bytes(vit_small):
     attention_flops = 2 * 2 * 8 * 65 * 65 * hidden  # q @ k^T and p @ v: counted on CPU too (models/__init__.py)
     assert p.flops == linear_flops + attention_flops
     assert p.bytes_full == tokens * hidden * 4  # the block input, fp32
+    assert p.bytes_grad == tokens * 4 * hidden * 4 + p.bytes_full  # fc1's output gradient and the input's
     # compute ops in forward order: q, k, v, attention, out-projection, fc1, fc2. The backward needs all but
     # the out-projection's and fc2's outputs, in every block (address reuse once made this vary by process)
     assert all(b.keep == [True, True, True, True, False, True, False] for b in profile)
@@ -103,8 +104,9 @@ def test_small_batch_profile_scales_exactly(name):
     full = profile_blocks(model, images)
     small = [p.scaled(8 / PROFILE_BATCH) for p in profile_blocks(model, images[:PROFILE_BATCH])]
     for s, f in zip(small, full):
-        assert (s.bytes_none, s.bytes_selective, s.bytes_full, s.flops, s.flops_full, s.flops_selective, s.keep) == \
-            (f.bytes_none, f.bytes_selective, f.bytes_full, f.flops, f.flops_full, f.flops_selective, f.keep)
+        assert (s.bytes_none, s.bytes_selective, s.bytes_full, s.bytes_grad, s.flops, s.flops_full, s.flops_selective,
+                s.keep) == (f.bytes_none, f.bytes_selective, f.bytes_full, f.bytes_grad, f.flops, f.flops_full,
+                            f.flops_selective, f.keep)
         # Swin's relative-position bias is built once per forward, whatever the batch: its cheap-op count is
         # the one figure that does not scale (up to 5.8% off here, at swin-debug's tiny width)
         assert s.cheap_elems == pytest.approx(f.cheap_elems, rel=0.1)
@@ -164,6 +166,10 @@ def test_activation_peak_counts_the_recomputed_block():
     for budget in range(900, 2800, 100):  # the plan is judged by its peak, not by what it keeps
         plan, peak, _ = plan_for_budget(profile, budget)
         assert peak == activation_peak(profile, plan) <= budget
+    # and each block's backward holds its gradients on top
+    for p in profile:
+        p.bytes_grad = p.bytes_none // 4
+    assert activation_peak(profile, ["none"] * 6) == sum(p.bytes_none for p in profile) + profile[5].bytes_grad
 
 
 def test_hierarchical_default_k_from_measured_sizes():

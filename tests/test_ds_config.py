@@ -2,7 +2,7 @@ import json
 
 import pytest
 from config import Config, ConfigError
-from models.parallelize import build_ds_config, fixed_memory_bytes, lr_schedule, param_groups
+from models.parallelize import build_ds_config, lr_schedule, param_groups, zero_memory_bytes
 
 
 def test_auto_fields_come_from_the_run_config():
@@ -23,20 +23,27 @@ def test_auto_fields_come_from_the_run_config():
 
 
 def test_fixed_memory_follows_zero_accounting():
-    """Per rank, fp32: 4 + 4 + 12 bytes per parameter, partitioned stage by stage over the ranks; ZeRO-3 adds
-    the weights it may hold gathered at once (stage3_max_live_parameters), or all of them when its reuse
-    distance spans the model."""
+    """Per rank, fp32, what DeepSpeed holds when the backward starts: weights (whole under ZeRO-1/2) plus the
+    fp32 master partition and AdamW's moments (12 bytes per parameter over the ranks); ZeRO-3 a weight and
+    a gradient partition, its prefetch bucket and the weights it may hold gathered at once. The optimizer
+    step adds four fp32 partitions (two gradient copies, two AdamW temporaries)."""
     n, world, hidden = 300_000_000, 8, 1024
-    sizes = {stage: fixed_memory_bytes(n, stage, world, "fp32", build_ds_config(Config(zero_stage=stage), hidden,
-                                                                                 world, "fp32"))
-             for stage in (1, 2, 3)}
-    buckets = 4 * (2 * 2**20)  # reduce + allgather (stages 1-2) or prefetch (3) buckets, fp32
-    assert sizes[1] == pytest.approx(n * (4 + 4 + 12 / world) + buckets, rel=0.01)
-    assert sizes[2] == pytest.approx(n * (4 + 16 / world) + buckets, rel=0.01)
-    assert sizes[3] == pytest.approx(n * 20 / world + buckets + 4 * 24 * hidden**2, rel=0.01)
-    ds = build_ds_config(Config(zero_stage=3), hidden, world, "fp32")
-    ds["zero_optimization"]["stage3_max_reuse_distance"] = n
-    assert fixed_memory_bytes(n, 3, world, "fp32", ds) == pytest.approx(n * (20 / world + 4) + buckets, rel=0.01)
+    ds = {stage: build_ds_config(Config(zero_stage=stage), hidden, world, "fp32") for stage in (1, 2, 3)}
+    sizes = {stage: zero_memory_bytes(n, stage, world, "fp32", ds[stage]) for stage in (1, 2, 3)}
+    gathered = 4 * (int(0.9 * hidden**2) + 24 * hidden**2)  # prefetch bucket + stage3_max_live_parameters
+    assert sizes[1]["backward"] == sizes[2]["backward"] == pytest.approx(n * (4 + 12 / world))
+    assert sizes[3]["backward"] == pytest.approx(n * 20 / world + gathered)
+    for stage in (1, 2, 3):
+        assert sizes[stage]["optimizer_step"] - sizes[stage]["backward"] == pytest.approx(16 * n / world)
+    # gradients accumulated over micro-batches stay between backwards: whole under ZeRO-1, partitioned under 2
+    accum = {stage: build_ds_config(Config(zero_stage=stage, grad_accum_steps=4), hidden, world, "fp32")
+             for stage in (1, 2)}
+    assert zero_memory_bytes(n, 1, world, "fp32", accum[1])["backward"] == pytest.approx(n * (8 + 12 / world))
+    assert zero_memory_bytes(n, 2, world, "fp32", accum[2])["backward"] == pytest.approx(n * (4 + 16 / world))
+    # a template whose reuse distance spans the model keeps every gathered weight
+    ds[3]["zero_optimization"]["stage3_max_reuse_distance"] = n
+    assert zero_memory_bytes(n, 3, world, "fp32", ds[3])["backward"] == \
+        pytest.approx(n * (20 / world + 4) + 4 * int(0.9 * hidden**2))
 
 
 @pytest.mark.parametrize("template,message", [
