@@ -3,8 +3,8 @@
 #   bash benchmarks/gpu_check.sh [OUT]     # default OUT: benchmarks/results/gpu-check
 # 1. the GPU, versions, and a bf16 GEMM's rate (8192^3, the figure MFU is read against);
 # 2. train.py's main job (digits) in bf16 on one rank over NCCL, with its torch.cuda memory figures;
-# 3. every activation-checkpointing policy under ZeRO-3 in bf16 (offload included: GPU only), and fp16 with
-#    its loss scaler under ZeRO-2: 20 steps each, the last logged loss beside `none`'s;
+# 3. the activation-checkpointing policies under ZeRO-3 in bf16 (none, selective, full, and offload, which
+#    needs a GPU), and fp16 with its loss scaler under ZeRO-2: 20 steps each, the last loss beside `none`'s;
 # 4. the gpu-small benchmark suite (ViT-L/16, one GPU, one repeat): a check of the harness, not a result.
 # Each step has its own time limit, so one that hangs leaves the others' figures.
 set -uo pipefail
