@@ -121,7 +121,7 @@ class BlockProfile:
     flops_full: int  # compute-op FLOPs before the last saved tensor: rerun under `full`
     flops_selective: int  # those of them whose outputs `selective` does not keep (see `keep`): rerun under it
     cheap_elems: int  # elements produced by the other ops before the last saved tensor: rerun by both
-    keep: list  # per compute op in forward order: is its output saved for the backward by a later op?
+    keep: list  # per compute op in forward order: does the backward read its output, itself or as a copy?
     # What the block's backward holds beside the saved activations: the gradient of its largest matmul
     # output and of its input (measured on ViT-S under ZeRO-3: 14.4 + 3.0 MiB at the step's peak, against
     # 12.2 + 3.0 counted this way)
@@ -138,7 +138,8 @@ class BlockProfile:
 
 # ops that only copy or rescale one tensor: a saved tensor made from a compute output by these alone is that
 # output in another layout (transformers' eager and math-SDPA attention save `(q * scale).contiguous()`)
-COPY_OPS = {aten.clone, aten.contiguous, aten._to_copy, aten.copy_, aten.mul, aten.div}
+# (`contiguous` reaches the dispatcher as `clone`; `mul`/`div` count only with a scalar, one tensor argument)
+COPY_OPS = {aten.clone, aten._to_copy, aten.mul, aten.div}
 
 
 class _OpRecorder(torch.utils._python_dispatch.TorchDispatchMode):
@@ -297,10 +298,11 @@ def activation_peak(profile: list[BlockProfile], plan: list) -> int:
     bytes), or some block's backward, which holds its gradients and, if the block is recomputed, all it
     would have saved, while the blocks before it still hold theirs (the blocks after it are done and freed)."""
     kept = [kept_bytes(p, how) for p, how in zip(profile, plan)]
-    peak = sum(kept)
-    for i, (p, how) in enumerate(zip(profile, plan)):
-        held = p.bytes_none if how in ("selective", "full") else kept[i]
-        peak = max(peak, sum(kept[:i]) + held + p.bytes_grad)
+    peak, before = sum(kept), 0
+    for p, how, k in zip(profile, plan, kept):
+        held = p.bytes_none if how in ("selective", "full") else k
+        peak = max(peak, before + held + p.bytes_grad)
+        before += k
     return peak
 
 

@@ -190,15 +190,16 @@ def zero_memory_bytes(n_params: int, zero_stage: int, world_size: int, precision
     zero = ds_config.get("zero_optimization", {})
     states = 12 * part  # fp32 master partition and AdamW's exp_avg, exp_avg_sq
     if zero_stage == 3:
-        live = n if zero.get("stage3_max_reuse_distance", 0) >= n else min(zero.get("stage3_max_live_parameters", n), n)
-        weights = weight * part + weight * (min(zero.get("stage3_prefetch_bucket_size", 0), n) + live)
-        held = weights + states + grad * part
+        live = min(zero.get("stage3_max_live_parameters", n), n)
+        if zero.get("stage3_max_reuse_distance", 0) >= n:
+            live = n
+        held = weight * (part + min(zero.get("stage3_prefetch_bucket_size", 0), n) + live) + states + grad * part
     else:
-        weights = weight * n
-        accumulated = (grad * n if zero_stage == 1 else grad * part) if ds_config.get("gradient_accumulation_steps", 1) > 1 \
-            else 0
-        held = weights + states + accumulated
-    return {"backward": int(held), "optimizer_step": int(held + 4 * 4 * part)}
+        held = weight * n + states
+        if ds_config.get("gradient_accumulation_steps", 1) > 1:  # gradients kept between micro-batches
+            held += grad * (n if zero_stage == 1 else part)
+    step_extra = 4 * 4 * part  # two fp32 gradient partitions and two AdamW temporaries
+    return {"backward": int(held), "optimizer_step": int(held + step_extra)}
 
 
 def parallelize(model: torch.nn.Module, cfg: Config, ds_config: dict, profile_images: torch.Tensor,
