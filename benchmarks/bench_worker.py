@@ -10,7 +10,8 @@
      setup's peak (building and wrapping) is reported beside it. On GPUs, torch.cuda's allocator counters;
   2. stops the profiler and, with `count_flops`, runs one step under torch's FLOP counter (the FLOPs the
      hardware executes, recompute included; not under the profiler, whose memory it would change);
-  3. times `timed_steps` further steps with perf_counter, each ended by an all-reduce of the loss.
+  3. runs `warmup_steps` untimed steps, then times `timed_steps` further steps with perf_counter, each ended
+     by an all-reduce of the loss.
 Every engine sees the same initial weights and the same batches (random images drawn from the seed, the
 rank and the step), so the losses agree across engines up to fp32 summation order.
 """
@@ -49,6 +50,10 @@ class Spec:
     ac: str = "none"  # deepspeed: this project's policy; fsdp2: none | full | every_n:K (Hugging Face's own)
     reshard: bool = True  # fsdp2: reshard_after_forward (True ~ ZeRO-3, False ~ ZeRO-2)
     profiled_steps: int = 2  # the first steps, under the memory profiler (they also warm up)
+    # untimed steps before the timed ones: on CPU the process heap grows to the step's working set over the
+    # first steps, and fresh pages are slow on a VM (measured here: GELU into a fresh 48 MiB buffer 19.7 ms,
+    # into a reused one 6.2 ms); the profiled steps, under the profiler's own allocations, do not settle it
+    warmup_steps: int = 0
     timed_steps: int = 3
     count_flops: bool = True  # one extra, untimed step under torch's FLOP counter (recompute included)
     seed: int = 0
@@ -194,9 +199,10 @@ def main():
             else FSDP2Step(model, cfg, spec)
     losses, times, hardware_flops = [], [], 0
     # steps: the profiled ones, then one under the FLOP counter (its dispatch mode changes what stays
-    # allocated, so it must not run under the memory profiler), then the timed ones
+    # allocated, so it must not run under the memory profiler), the warm-up ones, then the timed ones
     flop_step = spec.profiled_steps + 1 if spec.count_flops else 0
-    for step in range(1, spec.profiled_steps + bool(flop_step) + spec.timed_steps + 1):
+    first_timed = spec.profiled_steps + bool(flop_step) + spec.warmup_steps
+    for step in range(1, first_timed + spec.timed_steps + 1):
         images, labels = (t.to(device) for t in batch(spec, rank, step))
         if step == 1 and cuda:
             setup_peak = torch.cuda.max_memory_allocated()
@@ -233,7 +239,7 @@ def main():
     gathered = [torch.zeros_like(figures) for _ in range(world_size)]
     dist.all_gather(gathered, figures)
     if rank == 0:
-        timed = times[spec.profiled_steps + bool(flop_step):]
+        timed = times[first_timed:]
         global_batch = spec.micro_batch_size * world_size
         column = lambda i: [int(g[i]) for g in gathered]  # noqa: E731  one figure, every rank
         result = {"spec": dataclasses.asdict(spec), "world_size": world_size, "device": device.type,
