@@ -2,7 +2,7 @@
 plain PyTorch FSDP2 with Hugging Face's own checkpointing. One command per suite:
 
     .venv/bin/python benchmarks/train_bench.py --suite cpu-smoke   # ~2 min: checks the harness (a test runs it)
-    .venv/bin/python benchmarks/train_bench.py --suite cpu         # ~40 min on 2 cores: the committed results
+    .venv/bin/python benchmarks/train_bench.py --suite cpu         # ~47 min on 2 cores: the committed results
     .venv/bin/python benchmarks/train_bench.py --suite gpu         # one 8-GPU node, bf16 (not run here)
     .venv/bin/python benchmarks/train_bench.py --suite gpu-small   # one GPU, ViT-L, one repeat: a check
     .venv/bin/python benchmarks/train_bench.py --suite cpu --out /tmp/rerun --compare benchmarks/results/cpu
@@ -90,7 +90,7 @@ SUITES = {
         shapes=[Shape("vit-debug", 16, 0, 8, "vit-debug, 16x16, batch 8 per rank")],
         runs={"*": [fsdp2("none"), fsdp2("full"), *zero(1, "none"), *zero(3, "none", "selective", "full"),
                     *zero(3, "auto:f0.5")]},
-        repeats=3, profiled_steps=2, timed_steps=2, timeout_s=180, targets_shape="vit-debug"),
+        repeats=3, profiled_steps=2, warmup_steps=1, timed_steps=2, timeout_s=180, targets_shape="vit-debug"),
     "cpu": Suite(
         shapes=[VIT_S, SWIN_T],
         runs={VIT_S.label: [fsdp2("none"), fsdp2("full"), fsdp2("every_n:2"), fsdp2("none", False),
@@ -131,6 +131,8 @@ def runs_of(suite: Suite, shape: Shape) -> list:
 # Swin-T, ZeRO-2, steady state: `none` the same, `selective` 4.3 -> 3.95 s a step. No effect on the peaks,
 # which come from the profiler's allocation events; max RSS grows. Only read by a process at its start.
 CPU_ALLOCATOR_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
+
+
 def gemm_gflops(threads: int, n: int = 2048, reps: int = 5) -> list:
     """fp32 GEMM rate with the ranks' thread count: the CPU peak MFU is measured against."""
     torch.set_num_threads(threads)

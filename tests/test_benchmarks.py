@@ -33,6 +33,8 @@ def test_cpu_smoke_suite(tmp_path):
     runs = [json.loads(line) for line in open(tmp_path / "runs.jsonl")]
     first, second = [r["run"] for r in runs if r["repeat"] == 0], [r["run"] for r in runs if r["repeat"] == 1]
     assert second == first[::-1]
+    # each job ran its profiled steps, the FLOP-counted one (first repeat only), 1 warm-up step, and timed 2
+    assert all(len(r["step_seconds"]) == 2 and len(r["losses"]) == 2 + (r["repeat"] == 0) + 1 + 2 for r in runs)
     assert (tmp_path / "pareto.png").stat().st_size > 20_000
     md = (tmp_path / "results.md").read_text()
     assert "## Targets" in md and "ZeRO-3 + selective" in md and "torch 2.13.0" in md
