@@ -166,6 +166,9 @@ def main():
     parser.add_argument("--out", required=True, help="rank 0 writes the result JSON here")
     args = parser.parse_args()
     spec = Spec(**json.loads(args.spec))
+    if spec.profiled_steps < 1 or spec.timed_steps < 1:  # the profiler stops when the first timed step starts
+        sys.exit(f"error: a job needs at least one profiled and one timed step (got {spec.profiled_steps} and "
+                 f"{spec.timed_steps})")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     warnings.filterwarnings("ignore")
     from torch.profiler import ProfilerActivity, profile, record_function

@@ -1,6 +1,7 @@
 """The benchmark harness, end to end: the cpu-smoke suite as its own command runs it (~2 min)."""
 import csv
 import json
+import os
 import subprocess
 import sys
 
@@ -38,3 +39,14 @@ def test_cpu_smoke_suite(tmp_path):
     assert (tmp_path / "pareto.png").stat().st_size > 20_000
     md = (tmp_path / "results.md").read_text()
     assert "## Targets" in md and "ZeRO-3 + selective" in md and "torch 2.13.0" in md
+
+
+def test_worker_refuses_a_job_without_timed_steps(tmp_path):
+    # its profiler stops when the first timed step starts: without one it would fail inside the profiler
+    proc = subprocess.run([sys.executable, "benchmarks/bench_worker.py", "--spec", json.dumps({"timed_steps": 0}),
+                           "--out", str(tmp_path / "r.json")], cwd=REPO, env=dict(os.environ, RANK="0", WORLD_SIZE="1"),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == "error: a job needs at least one profiled and one timed step (got 2 and 0)"
+    assert not (tmp_path / "r.json").exists()
