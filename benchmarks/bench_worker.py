@@ -51,9 +51,8 @@ class Spec:
     reshard: bool = True  # fsdp2: reshard_after_forward (True ~ ZeRO-3, False ~ ZeRO-2)
     profiled_steps: int = 2  # the first steps, under the memory profiler (they also warm up)
     # untimed steps before the timed ones: on CPU the process heap grows to the step's working set over the
-    # first steps, and fresh pages are slow on a VM (GELU into a fresh 48 MiB buffer 19.7 ms, into a reused
-    # one 6.2 ms); measured on Swin-T + selective, the first step after the profiled ones ran 20-33% slower
-    # than the steps after it
+    # first steps, and fresh pages are slow (train_bench.CPU_ALLOCATOR_ENV); on Swin-T + selective the first
+    # step after the profiled ones ran 20-33% slower than the steps after it
     warmup_steps: int = 0
     timed_steps: int = 3
     count_flops: bool = True  # one extra, untimed step under torch's FLOP counter (recompute included)
