@@ -5,9 +5,10 @@
 
 `train_bench.py` launches it; every field of the spec is listed in `Spec`. The job:
   1. starts the profiler (only its memory events matter) before the model exists, builds the model from
-     the seed, wraps it, and runs `profiled_steps` steps under it. The peak "Total Allocated" of those steps
-     is the rank's peak memory, weights, gradients, optimizer states, buffers and activations included; the
-     setup's peak (building and wrapping) is reported beside it. On GPUs, torch.cuda's allocator counters;
+     the seed, wraps it, and runs `profiled_steps` steps under it. The peak allocation of those steps
+     (checkpointing.allocation_curve) is the rank's peak memory, weights, gradients, optimizer states,
+     buffers and activations included; the setup's peak (building and wrapping) is reported beside it. On
+     GPUs, torch.cuda's allocator counters;
   2. stops the profiler and, with `count_flops`, runs one step under torch's FLOP counter (the FLOPs the
      hardware executes, recompute included; not under the profiler, whose memory it would change);
   3. runs `warmup_steps` untimed steps, then times `timed_steps` further steps with perf_counter, each ended
@@ -34,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from config import Config  # noqa: E402
 from models import build_model, model_config  # noqa: E402
 from models.blocks import find_blocks  # noqa: E402
-from models.checkpointing import trace_events  # noqa: E402
+from models.checkpointing import allocation_curve, trace_events  # noqa: E402
 from models.parallelize import (build_ds_config, exit_distributed, lr_schedule, param_groups,  # noqa: E402
                                 parallelize, release_deepspeed_shm)
 
@@ -140,13 +141,13 @@ class DeepSpeedStep:
 
 def memory_phases(profiler) -> dict:
     """Per marked phase ("bench/..." record_function ranges): bytes allocated when it starts, its peak, and
-    what it leaves allocated, from the profiler's "[memory]" events ("Total Allocated" counts everything
-    allocated since the profiler started, i.e. before the model existed)."""
+    what it leaves allocated, from the profiler's "[memory]" events (checkpointing.allocation_curve: every
+    allocation since the profiler started, i.e. before the model existed, less the frees)."""
     events = trace_events(profiler)
     if os.environ.get("BENCH_TRACE_DIR"):  # keep the rank's trace, to see what holds the memory
         with open(os.path.join(os.environ["BENCH_TRACE_DIR"], f"trace_rank{dist.get_rank()}.json"), "w") as f:
             json.dump(events, f)
-    memory = sorted((e["ts"], e["args"]["Total Allocated"]) for e in events if e.get("name") == "[memory]")
+    memory = allocation_curve(events)
     phases = {}
     for e in events:
         if e.get("name", "").startswith("bench/") and e.get("ph") == "X":

@@ -181,9 +181,10 @@ def zero_memory_bytes(n_params: int, zero_stage: int, world_size: int, precision
       moments. ZeRO-3 also holds its gradient partition (allocated at initialisation), its prefetch
       bucket and up to stage3_max_live_parameters gathered weights. ZeRO-1/2 hold gradients only across
       accumulated micro-batches; their buckets fill later in the backward, when activations are freed.
-    - `optimizer_step`, which peaks in AdamW's update: the weights and states as above, two fp32 copies of
-      the gradient partition (the reduced one and the flat one DeepSpeed hands the optimizer) and AdamW's
-      two temporaries of the partition's size (DeepSpeed flattens the partition into one tensor).
+    - `optimizer_step`, which peaks in AdamW's update: the weights and states as above, the flat fp32
+      gradient partition DeepSpeed hands the optimizer, AdamW's two temporaries of the partition's size
+      (DeepSpeed flattens the partition into one tensor: `sqrt` and the update are whole-partition tensors)
+      and, under ZeRO-1/2, the reduced gradient partition, which ZeRO-3 keeps all along (in `backward`).
     """
     weight = grad = 2 if precision in ("bf16", "fp16") else 4
     n, part = n_params, n_params / world_size
@@ -198,7 +199,7 @@ def zero_memory_bytes(n_params: int, zero_stage: int, world_size: int, precision
         held = weight * n + states
         if ds_config.get("gradient_accumulation_steps", 1) > 1:  # gradients kept between micro-batches
             held += grad * (n if zero_stage == 1 else part)
-    step_extra = 4 * 4 * part  # two fp32 gradient partitions and two AdamW temporaries
+    step_extra = (3 if zero_stage == 3 else 4) * 4 * part  # fp32 gradient partitions and AdamW's temporaries
     return {"backward": int(held), "optimizer_step": int(held + step_extra)}
 
 

@@ -9,9 +9,9 @@ import torch
 from conftest import BIN, REPO, free_port, launch, read_metrics
 from config import ConfigError
 from models import build_model, find_blocks
-from models.checkpointing import (BlockProfile, activation_peak, apply_activation_checkpointing, default_hierarchical_k,
-                                  measure_activation_bytes, memory_trace, parse_policy, plan_for_budget,
-                                  profile_blocks, PROFILE_BATCH)
+from models.checkpointing import (BlockProfile, activation_peak, allocation_curve, apply_activation_checkpointing,
+                                  default_hierarchical_k, measure_activation_bytes, memory_trace, parse_policy,
+                                  plan_for_budget, profile_blocks, trace_events, PROFILE_BATCH)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -123,6 +123,38 @@ def test_profile_leaves_nothing_allocated():
         profile_blocks(model, torch.randn(4, 3, 16, 16))
     before, peak, after = memory_trace(prof)
     assert peak > before and after == before
+
+
+def test_allocation_curve_drops_a_free_the_profiler_did_not_record():
+    """A tensor dropped on a thread the profiler is not active on (as gloo's workers drop finished collectives'
+    tensors): the profiler records no free and its "Total Allocated" keeps the block; once the allocator hands
+    the address out again, the curve does not."""
+    import threading
+
+    from torch.profiler import ProfilerActivity, profile
+
+    size = 16 * 1024  # floats: 64 KiB, from the heap, whose freed blocks are handed out again
+    held, again = [], []
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        held.append(torch.ones(size))
+        address = held[0].data_ptr()
+        dropper = threading.Thread(target=held.clear)
+        dropper.start()
+        dropper.join()
+        while len(again) < 64 and address not in {t.data_ptr() for t in again}:
+            again.append(torch.ones(size // 2))  # smaller: an aligned allocation fits into the freed block
+        n_again = len(again)
+        again.clear()
+    assert n_again < 64, "the allocator did not hand the dropped block's address out again"
+    events = trace_events(prof)
+    frees = [e for e in events if e.get("name") == "[memory]" and e["args"]["Bytes"] < 0]
+    assert len(frees) == n_again, "the profiler recorded the other thread's free: the correction is not needed"
+    curve = [v for _, v in allocation_curve(events)]
+    before = curve[0]
+    assert curve[1] == before + 4 * size  # the first block; its free is missing
+    assert curve[-1] == before  # everything was freed
+    # once its address came back, the first block is no longer counted: the peak holds the new blocks only
+    assert max(curve) == before + max(4 * size + (n_again - 1) * 2 * size, n_again * 2 * size)
 
 
 def synthetic_profile():
