@@ -218,11 +218,18 @@ def main():
                 step_peak = torch.cuda.max_memory_allocated()
                 reserved = torch.cuda.max_memory_reserved()
         counter = FlopCounterMode(display=False) if step == flop_step else contextlib.nullcontext()
+        # a diagnostic, not a figure: BENCH_TRACE_STEP=K[,K2...] traces the op times of those steps (warm ones
+        # when past the warm-up), on every rank, into BENCH_TRACE_DIR; the profiler slows the steps it traces
+        traced = str(step) in os.environ.get("BENCH_TRACE_STEP", "").split(",") and step > spec.profiled_steps
+        timeline = profile(activities=[ProfilerActivity.CPU]) if traced else contextlib.nullcontext()
         start = time.perf_counter()
-        with counter, record_function(f"bench/step{step}"):
+        with timeline, counter, record_function(f"bench/step{step}"):
             with record_function("bench/forward" if step == spec.profiled_steps else f"bench/forward{step}"):
                 loss = step_fn.forward(images, labels)
             step_fn.backward_step(loss)
+        if traced:
+            timeline.export_chrome_trace(os.path.join(os.environ["BENCH_TRACE_DIR"],
+                                                      f"step{step}_rank{dist.get_rank()}.json"))
         if step == flop_step:
             hardware_flops = counter.get_total_flops()
         loss = loss.detach()

@@ -357,7 +357,10 @@ def apply_activation_checkpointing(model, ac: str, device_type: str, profile_ima
         # Profile a small slice of the batch and scale: bytes and FLOPs are exact (tested), and it keeps the
         # profile's own activations (and the compute outputs it holds) from becoming the process's peak
         # memory (measured on ViT-S, batch 32: +1.1 GiB at startup when profiled at full batch).
-        small = profile_images[:PROFILE_BATCH]
+        # A copy, not a view: a view's storage is the whole batch, and the patch embedding saves its input,
+        # which was then counted at the whole batch's size and scaled again (Swin-T, 128x128, batch 32:
+        # 96 MiB planned for a 6 MiB input).
+        small = profile_images[:PROFILE_BATCH].clone()
         profile = profile_blocks(model, small).scaled(len(profile_images) / len(small))
     if name == "none":
         plan = ["none"] * len(blocks)

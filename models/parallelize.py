@@ -179,12 +179,23 @@ def zero_memory_bytes(n_params: int, zero_stage: int, world_size: int, precision
     - `backward`, when the backward starts and the activations peak: the weights (whole under ZeRO-1/2, a
       partition under ZeRO-3), the fp32 master partition (kept in fp32 training too) and AdamW's two fp32
       moments. ZeRO-3 also holds its gradient partition (allocated at initialisation), its prefetch
-      bucket and up to stage3_max_live_parameters gathered weights. ZeRO-1/2 hold gradients only across
-      accumulated micro-batches; their buckets fill later in the backward, when activations are freed.
+      bucket and the gathered weights it keeps from the forward for the backward (below). ZeRO-2 holds
+      its gradient partition from its first reduction on, and the rank whose partition holds the last
+      layers reduces first, at the start of the backward (measured, Swin-T: 54 MiB on rank 1 at its peak,
+      none on rank 0). ZeRO-1 reduces at the end of the backward, when activations are freed.
     - `optimizer_step`, which peaks in AdamW's update: the weights and states as above, the flat fp32
       gradient partition DeepSpeed hands the optimizer, AdamW's two temporaries of the partition's size
       (DeepSpeed flattens the partition into one tensor: `sqrt` and the update are whole-partition tensors)
-      and, under ZeRO-1/2, the reduced gradient partition, which ZeRO-3 keeps all along (in `backward`).
+      and, under ZeRO-1, the reduced gradient partition, which ZeRO-2 and 3 hold already (in `backward`).
+
+    ZeRO-3's gathered weights are counted as stage3_max_live_parameters, which is more than the forward
+    keeps: DeepSpeed releases a module's weights after its forward unless the module trace uses them again
+    within stage3_max_reuse_distance parameters (R), and the trace runs on into the backward in reverse, so
+    the forward ends holding about its last R/2 (Swin-T: 279 MiB at a step's start against 320 planned).
+    The backward then gathers and reduces on top: at the peak of Swin-T and ViT-S steps, 25-60 MiB more was
+    live than the activations, R/2 and the partitions account for (the module in flight's gradients, their
+    reduce-scatter copy, small blocks). Counting R/2 alone planned those peaks 3-6% low; max_live covers
+    both: -4.0% to +0.8% on the last cpu suite's ZeRO-3 rows, but Swin-T `full` +14.6% (benchmarks/README.md).
     """
     weight = grad = 2 if precision in ("bf16", "fp16") else 4
     n, part = n_params, n_params / world_size
@@ -197,9 +208,11 @@ def zero_memory_bytes(n_params: int, zero_stage: int, world_size: int, precision
         held = weight * (part + min(zero.get("stage3_prefetch_bucket_size", 0), n) + live) + states + grad * part
     else:
         held = weight * n + states
-        if ds_config.get("gradient_accumulation_steps", 1) > 1:  # gradients kept between micro-batches
-            held += grad * (n if zero_stage == 1 else part)
-    step_extra = (3 if zero_stage == 3 else 4) * 4 * part  # fp32 gradient partitions and AdamW's temporaries
+        if zero_stage == 2:
+            held += grad * part
+        elif ds_config.get("gradient_accumulation_steps", 1) > 1:  # ZeRO-1 keeps gradients between micro-batches
+            held += grad * n
+    step_extra = (4 if zero_stage == 1 else 3) * 4 * part  # fp32 gradient partitions and AdamW's temporaries
     return {"backward": int(held), "optimizer_step": int(held + step_extra)}
 
 
