@@ -101,7 +101,10 @@ SUITES = {
                             *zero(2, "auto:race"), *zero(3, "auto:race", "auto:f0.25", "auto:f0.5", "auto:f0.75")],
               SWIN_T.label: [fsdp2("none"), fsdp2("full"), *zero(2, "none", "selective"),
                              *zero(3, "none", "selective", "full", "hierarchical")]},
-        warmup_steps=2, targets_shape="vit-small"),
+        # 4 timed steps per job, 12 per configuration: a warm Swin-T ZeRO-3 step has single ops stalling
+        # 100-180 ms at random (traced, both ranks at once, with and without checkpointing), and the
+        # median of 6 moved the `selective` overhead by several points between runs
+        warmup_steps=2, timed_steps=4, targets_shape="vit-small"),
     "gpu": Suite(
         shapes=[Shape("vit-large", 224, 16, 32, "ViT-L/16, 224x224, batch 32 per GPU"),
                 Shape("vit-huge", 224, 14, 16, "ViT-H/14, 224x224, batch 16 per GPU"),
