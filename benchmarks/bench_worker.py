@@ -169,6 +169,11 @@ def main():
     if spec.profiled_steps < 1 or spec.timed_steps < 1:  # the profiler stops when the first timed step starts
         sys.exit(f"error: a job needs at least one profiled and one timed step (got {spec.profiled_steps} and "
                  f"{spec.timed_steps})")
+    # a diagnostic, not a figure: BENCH_TRACE_STEP=K[,K2...] traces the op times of those steps (warm ones when
+    # past the warm-up), on every rank, into BENCH_TRACE_DIR; the profiler slows the steps it traces
+    traced_steps = {int(k) for k in os.environ.get("BENCH_TRACE_STEP", "").split(",") if k}
+    if traced_steps and not os.environ.get("BENCH_TRACE_DIR"):
+        sys.exit("error: BENCH_TRACE_STEP needs BENCH_TRACE_DIR, the folder its traces go to")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     warnings.filterwarnings("ignore")
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -218,9 +223,7 @@ def main():
                 step_peak = torch.cuda.max_memory_allocated()
                 reserved = torch.cuda.max_memory_reserved()
         counter = FlopCounterMode(display=False) if step == flop_step else contextlib.nullcontext()
-        # a diagnostic, not a figure: BENCH_TRACE_STEP=K[,K2...] traces the op times of those steps (warm ones
-        # when past the warm-up), on every rank, into BENCH_TRACE_DIR; the profiler slows the steps it traces
-        traced = str(step) in os.environ.get("BENCH_TRACE_STEP", "").split(",") and step > spec.profiled_steps
+        traced = step in traced_steps and step > spec.profiled_steps  # not under the memory profiler
         timeline = profile(activities=[ProfilerActivity.CPU]) if traced else contextlib.nullcontext()
         start = time.perf_counter()
         with timeline, counter, record_function(f"bench/step{step}"):

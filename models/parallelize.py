@@ -195,7 +195,7 @@ def zero_memory_bytes(n_params: int, zero_stage: int, world_size: int, precision
     The backward then gathers and reduces on top: at the peak of Swin-T and ViT-S steps, 25-60 MiB more was
     live than the activations, R/2 and the partitions account for (the module in flight's gradients, their
     reduce-scatter copy, small blocks). Counting R/2 alone planned those peaks 3-6% low; max_live covers
-    both: -4.0% to +0.8% on the last cpu suite's ZeRO-3 rows, but Swin-T `full` +14.6% (benchmarks/README.md).
+    both: -3.3% to +1.6% on the committed cpu suite's ZeRO-3 rows, but Swin-T `full` +15.4% (benchmarks/README.md).
     """
     weight = grad = 2 if precision in ("bf16", "fp16") else 4
     n, part = n_params, n_params / world_size
