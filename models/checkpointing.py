@@ -15,8 +15,8 @@ Policies (run-config key `ac`):
                   the least recompute that fits BUDGET_GB per rank
 
 A block is wrapped by replacing its instance `forward` with a checkpointed call of the original: module
-hooks (DeepSpeed ZeRO-3's parameter gather and release) stay outside the checkpoint and fire again,
-inside it, for the sub-modules the recompute runs; parameter names and `state_dict` keys do not change.
+hooks (DeepSpeed ZeRO-3's parameter gather and release, on whole blocks: models.parallelize) stay outside
+the checkpoint; parameter names and `state_dict` keys do not change.
 """
 import json
 from dataclasses import dataclass
