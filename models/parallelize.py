@@ -265,8 +265,9 @@ def _gather_blocks_whole(model):
         selective checkpointing, which requires the recompute to replay the forward's exact ops, no
         longer sees ZeRO-3's gathers (a weight prefetched in the forward and gathered in the recompute
         failed with "aten.cat.default encountered during backward but not found in storage");
-      - `cpu` suite, 2 ranks: plain ZeRO-3 15.3 -> 16.7 img/s on Swin-T, 17.5 -> 18.7 on ViT-S; `selective`
-        against `none` under ZeRO-3 +10.6% -> +7.1% step time on Swin-T, +6.5% -> +1.6% on ViT-S.
+      - `cpu` suite, 2 ranks, two runs: `selective` against `none` under ZeRO-3 +7.1% and +3.6% step time
+        on Swin-T (+10.6% to +12.3% in three runs before); plain ZeRO-3 on ViT-S 0.95x FSDP2's images/s
+        (0.89x before), on Swin-T unchanged within the noise.
     What it costs: a block's weights stay gathered as a whole where DeepSpeed keeps them for the backward;
     on Swin-T, 22 MiB more at the forward's end (1072 against 1050 MiB under `none`).
     The gathered weights of a block are live together, as they were: `stage3_max_live_parameters` is
