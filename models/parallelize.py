@@ -130,7 +130,7 @@ def build_ds_config(cfg: Config, hidden_size: int, world_size: int, precision: s
     # DeepSpeed's defaults (1e9 elements each) keep every gathered parameter alive from its forward to its
     # backward: a full unsharded copy of the model per rank (measured on ViT-S: 82 MiB more activation
     # memory than FSDP2). About one block's worth (~12 h^2 parameters) frees a block's weights after its
-    # forward and keeps them between a checkpointed block's recompute and its backward.
+    # forward; a checkpointed block's recompute runs inside its backward, after the block's own gather.
     auto_sizes["stage3_max_live_parameters"] = 2 * 12 * hidden_size * hidden_size
     auto_sizes["stage3_max_reuse_distance"] = 12 * hidden_size * hidden_size
     for key, value in auto_sizes.items():
@@ -196,7 +196,7 @@ def zero_memory_bytes(n_params: int, zero_stage: int, world_size: int, precision
     The backward then gathers and reduces on top: at the peak of Swin-T and ViT-S steps, 25-60 MiB more was
     live than the activations, R/2 and the partitions account for (the module in flight's gradients, their
     reduce-scatter copy, small blocks). Counting R/2 alone planned those peaks 3-6% low; max_live covers
-    both: -3.3% to +1.6% on the committed cpu suite's ZeRO-3 rows, but Swin-T `full` +15.4% (benchmarks/README.md).
+    both: -4.5% to +2.0% on the committed cpu suite's ZeRO-3 rows, but Swin-T `full` +15.0% (benchmarks/README.md).
     """
     weight = grad = 2 if precision in ("bf16", "fp16") else 4
     n, part = n_params, n_params / world_size
