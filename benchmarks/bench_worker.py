@@ -7,7 +7,9 @@
   1. starts the profiler (only its memory events matter) before the model exists, builds the model from
      the seed, wraps it, and runs `profiled_steps` steps under it. The peak allocation of those steps
      (checkpointing.allocation_curve) is the rank's peak memory, weights, gradients, optimizer states,
-     buffers and activations included; the setup's peak (building and wrapping) is reported beside it. On
+     buffers and activations included; the setup's peak (building and wrapping) is reported beside it. The
+     activations are what the last profiled forward left allocated for its backward, less the whole weights
+     among it (ZeRO-3's gathered parameters, FSDP2's unsharded ones: the engine's, counted beside them). On
      GPUs, torch.cuda's allocator counters;
   2. stops the profiler and, with `count_flops`, runs one step under torch's FLOP counter (the FLOPs the
      hardware executes, recompute included; not under the profiler, whose memory it would change);
@@ -108,6 +110,14 @@ class FSDP2Step:
     def forward(self, images, labels):
         return F.cross_entropy(self.model(images).logits.float(), labels, label_smoothing=self.cfg.label_smoothing)
 
+    def gathered_weight_bytes(self) -> int:
+        """Bytes of unsharded parameters: FSDP2 swaps a module's sharded DTensor parameters for plain,
+        whole ones while they are unsharded (the root's, from its forward to its backward, and every
+        block's without resharding)."""
+        from torch.distributed.tensor import DTensor
+
+        return sum(p.numel() * p.element_size() for p in self.model.parameters() if not isinstance(p, DTensor))
+
     def backward_step(self, loss):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
@@ -133,6 +143,15 @@ class DeepSpeedStep:
     def forward(self, images, labels):
         logits = self.engine(images.to(self.dtype)).logits.float()
         return F.cross_entropy(logits, labels, label_smoothing=self.cfg.label_smoothing)
+
+    def gathered_weight_bytes(self) -> int:
+        """Bytes of ZeRO-3 parameters gathered whole (or being gathered) on this rank; 0 under ZeRO 1 and 2,
+        whose weights are never partitioned. The forward ends with some still gathered: those the backward
+        reads first, which ZeRO-3's prefetch and reuse distance keep (measured on Swin-T: 59.9 MiB)."""
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        return sum(p.ds_numel * p.element_size() for p in self.engine.module.parameters()
+                   if getattr(p, "ds_status", ZeroParamStatus.NOT_AVAILABLE) != ZeroParamStatus.NOT_AVAILABLE)
 
     def backward_step(self, loss):
         self.engine.backward(loss)
@@ -227,8 +246,12 @@ def main():
         timeline = profile(activities=[ProfilerActivity.CPU]) if traced else contextlib.nullcontext()
         start = time.perf_counter()
         with timeline, counter, record_function(f"bench/step{step}"):
+            if step == spec.profiled_steps:
+                weights_before = step_fn.gathered_weight_bytes()
             with record_function("bench/forward" if step == spec.profiled_steps else f"bench/forward{step}"):
                 loss = step_fn.forward(images, labels)
+            if step == spec.profiled_steps:  # whole weights the forward left for the backward, not activations
+                forward_weights = step_fn.gathered_weight_bytes() - weights_before
             step_fn.backward_step(loss)
         if traced:
             timeline.export_chrome_trace(os.path.join(os.environ["BENCH_TRACE_DIR"],
@@ -246,9 +269,12 @@ def main():
         phases = memory_phases(profiler)
         steps = [phases[f"step{i}"] for i in range(1, spec.profiled_steps + 1)]
         last = steps[-1]
+        # activations: what the forward left allocated for the backward, less the whole weights among it
         figures = [max(p["peak"] for p in steps), max(phases["build"]["peak"], phases["wrap"]["peak"]), 0,
-                   last["peak"] - last["start"], phases["forward"]["end"] - phases["forward"]["start"]]
-    figures = torch.tensor(figures + [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, hardware_flops],
+                   last["peak"] - last["start"],
+                   phases["forward"]["end"] - phases["forward"]["start"] - forward_weights]
+    figures = torch.tensor(figures + [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, hardware_flops,
+                                      forward_weights],
                            dtype=torch.float64, device=device)
     gathered = [torch.zeros_like(figures) for _ in range(world_size)]
     dist.all_gather(gathered, figures)
@@ -263,9 +289,11 @@ def main():
                   # activations); the setup's (building and wrapping the model) is reported beside it
                   "peak_alloc_bytes": column(0), "setup_peak_bytes": column(1), "peak_reserved_bytes": column(2),
                   # the last profiled step's peak above what was allocated when it began, and what its forward
-                  # left allocated for the backward (CPU only)
+                  # left allocated for the backward (CPU only): activations, and beside them the whole
+                  # weights (ZeRO-3's gathered, FSDP2's unsharded) it left
                   "step_peak_bytes": column(3), "activation_bytes": column(4), "max_rss_bytes": column(5),
-                  "hardware_flops_per_step": sum(float(g[6]) for g in gathered)}
+                  "hardware_flops_per_step": sum(float(g[6]) for g in gathered),
+                  "forward_weight_bytes": column(7)}
         if spec.engine == "deepspeed":
             plan = step_fn.plan
             result["ac_plan"] = {k: plan.get(k) for k in ("activation_bytes_planned", "activation_bytes_none",

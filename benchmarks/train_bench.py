@@ -2,7 +2,7 @@
 plain PyTorch FSDP2 with Hugging Face's own checkpointing. One command per suite:
 
     .venv/bin/python benchmarks/train_bench.py --suite cpu-smoke   # ~2 min: checks the harness (a test runs it)
-    .venv/bin/python benchmarks/train_bench.py --suite cpu         # ~47 min on 2 cores: the committed results
+    .venv/bin/python benchmarks/train_bench.py --suite cpu         # ~60 min on 2 cores: the committed results
     .venv/bin/python benchmarks/train_bench.py --suite gpu         # one 8-GPU node, bf16 (not run here)
     .venv/bin/python benchmarks/train_bench.py --suite gpu-small   # one GPU, ViT-L, one repeat: a check
     .venv/bin/python benchmarks/train_bench.py --suite cpu --out /tmp/rerun --compare benchmarks/results/cpu
@@ -273,6 +273,9 @@ def summarise(results: list, shapes: list, suite: Suite, flops: dict, peak_gflop
                 setup_peak_mib=round(statistics.median(max(r["setup_peak_bytes"]) for r in jobs) / MiB, 1),
                 step_peak_mib=round(statistics.median(max(r["step_peak_bytes"]) for r in jobs) / MiB, 1),
                 activation_mib=round(statistics.median(max(r["activation_bytes"]) for r in jobs) / MiB, 1),
+                # the whole weights that forward left beside them (not in runs.jsonl before 2026-11-30)
+                forward_weights_mib=round(statistics.median(max(r.get("forward_weight_bytes", [0])) for r in jobs)
+                                          / MiB, 1),
                 max_rss_mib=round(statistics.median(max(r["max_rss_bytes"]) for r in jobs) / MiB, 1),
                 final_loss=round(loss, 6), loss_rel_diff=f"{abs(loss - reference_loss) / abs(reference_loss):.1e}",
                 ac_plan="/".join(f"{p[0]}" for p in first.get("ac_plan", {}).get("blocks", [])))
@@ -381,7 +384,8 @@ def write_markdown(path: str, suite_name: str, suite: Suite, rows: list, targets
             f.write(f"| {name} | {'yes' if ok else '**missed**'} | {figures} |\n")
         for shape in suite.shapes:
             f.write(f"\n## {shape.label}\n\n| configuration | images/s, median (min-max) | MFU | recompute | peak "
-                    f"MiB/rank | planned peak (error) | setup peak | step peak | activations | max RSS | loss after "
+                    f"MiB/rank | planned peak (error) | setup peak | step peak | activations (+ whole weights) | max RSS | "
+                    f"loss after "
                     f"{suite.profiled_steps + suite.timed_steps} steps (rel. diff) |\n"
                     "|---|---|---|---|---|---|---|---|---|---|---|\n")
             for r in rows:
@@ -397,7 +401,8 @@ def write_markdown(path: str, suite_name: str, suite: Suite, rows: list, targets
                 f.write(f"| {r['config']}{budget} | {r['images_per_sec']:.2f} ({r['images_per_sec_min']:.2f}-"
                         f"{r['images_per_sec_max']:.2f}) | {r['mfu']:.1%} | {rec} | {r['peak_alloc_mib']:.0f} | "
                         + (f"{r['planned_peak_mib']:.0f} ({r['planned_error']:+.1%})" if "planned_peak_mib" in r else "")
-                        + f" | {r['setup_peak_mib']:.0f} | {r['step_peak_mib']:.0f} | {r['activation_mib']:.0f} | "
+                        + f" | {r['setup_peak_mib']:.0f} | {r['step_peak_mib']:.0f} | {r['activation_mib']:.0f}"
+                        + (f" (+{r['forward_weights_mib']:.0f})" if r["forward_weights_mib"] else "") + " | "
                         f"{r['max_rss_mib']:.0f} | {r['final_loss']:.5f} ({r['loss_rel_diff']}) |\n")
 
 

@@ -22,6 +22,11 @@ def test_cpu_smoke_suite(tmp_path):
     act = {k: float(r["activation_mib"]) for k, r in rows.items()}
     assert act["ZeRO-3 + full"] < act["ZeRO-3 + selective"] < act["ZeRO-3 + none"]
     assert act["FSDP2 + HF full AC"] < act["FSDP2 + no AC"]
+    # ZeRO-3's forward ends with gathered weights (the backward's first), counted beside the activations, not
+    # in them; ZeRO-1 never partitions its weights
+    runs = [json.loads(line) for line in open(tmp_path / "runs.jsonl")]
+    assert all(min(r["forward_weight_bytes"]) > 0 for r in runs if r["run"] == "ZeRO-3 + none")
+    assert all(max(r["forward_weight_bytes"]) == 0 for r in runs if r["run"] == "ZeRO-1 + none")
     # recompute FLOPs are counted, not assumed: full recompute repeats the blocks' forward
     assert float(rows["ZeRO-3 + full"]["recompute_flops_frac"]) > 0.1
     assert float(rows["ZeRO-3 + none"]["recompute_flops_frac"]) == 0.0
@@ -31,7 +36,6 @@ def test_cpu_smoke_suite(tmp_path):
     low, high = float(rows["ZeRO-3 + full"]["peak_alloc_mib"]), float(rows["ZeRO-3 + none"]["peak_alloc_mib"])
     assert abs(budget - (low + high) / 2) < 0.2
     # alternating order: the second repeat ran the configurations in reverse
-    runs = [json.loads(line) for line in open(tmp_path / "runs.jsonl")]
     first, second = [r["run"] for r in runs if r["repeat"] == 0], [r["run"] for r in runs if r["repeat"] == 1]
     assert second == first[::-1]
     # each job ran its profiled steps, the FLOP-counted one (first repeat only), 1 warm-up step, and timed 2
