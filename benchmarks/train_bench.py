@@ -387,9 +387,8 @@ def write_markdown(path: str, suite_name: str, suite: Suite, rows: list, targets
             f.write(f"| {name} | {'yes' if ok else '**missed**'} | {figures} |\n")
         for shape in suite.shapes:
             f.write(f"\n## {shape.label}\n\n| configuration | images/s, median (min-max) | MFU | recompute | peak "
-                    f"MiB/rank | planned peak (error) | setup peak | step peak | activations (+ whole weights) | max RSS | "
-                    f"loss after "
-                    f"{suite.profiled_steps + suite.timed_steps} steps (rel. diff) |\n"
+                    f"MiB/rank | planned peak (error) | setup peak | step peak | activations (+ whole weights) | "
+                    f"max RSS | loss after {suite.profiled_steps + suite.timed_steps} steps (rel. diff) |\n"
                     "|---|---|---|---|---|---|---|---|---|---|---|\n")
             for r in rows:
                 if r["shape"] != shape.label:

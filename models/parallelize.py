@@ -196,7 +196,7 @@ def zero_memory_bytes(n_params: int, zero_stage: int, world_size: int, precision
     The backward then gathers and reduces on top: at the peak of Swin-T and ViT-S steps, 25-60 MiB more was
     live than the activations, R/2 and the partitions account for (the module in flight's gradients, their
     reduce-scatter copy, small blocks). Counting R/2 alone planned those peaks 3-6% low; max_live covers
-    both: -4.5% to +2.0% on the committed cpu suite's ZeRO-3 rows, but Swin-T `full` +15.0% (benchmarks/README.md).
+    both: -3.9% to +0.3% on the committed cpu suite's ZeRO-3 rows, but Swin-T `full` +14.2% (benchmarks/README.md).
     """
     weight = grad = 2 if precision in ("bf16", "fp16") else 4
     n, part = n_params, n_params / world_size
@@ -265,9 +265,9 @@ def _gather_blocks_whole(model):
         selective checkpointing, which requires the recompute to replay the forward's exact ops, no
         longer sees ZeRO-3's gathers (a weight prefetched in the forward and gathered in the recompute
         failed with "aten.cat.default encountered during backward but not found in storage");
-      - `cpu` suite, 2 ranks, two runs: `selective` against `none` under ZeRO-3 +7.1% and +3.6% step time
-        on Swin-T (+10.6% to +12.3% in three runs before); plain ZeRO-3 on ViT-S 0.95x FSDP2's images/s
-        (0.89x before), on Swin-T unchanged within the noise.
+      - `cpu` suite, 2 ranks, three runs: `selective` against `none` under ZeRO-3 +7.1%, +3.6% and +7.7%
+        step time on Swin-T (+10.6% to +12.3% in three runs before); plain ZeRO-3 on ViT-S 0.95-0.99x
+        FSDP2's images/s (0.89x before), on Swin-T unchanged within the noise.
     What it costs: a block's weights stay gathered as a whole where DeepSpeed keeps them for the backward;
     on Swin-T, 22 MiB more at the forward's end (1072 against 1050 MiB under `none`).
     The gathered weights of a block are live together, as they were: `stage3_max_live_parameters` is
