@@ -6,10 +6,13 @@ PY := $(VENV)/bin/python
 # CPU: 2 ranks with cores/2 threads each; GPU: every GPU of this node
 NPROC = $(shell $(PY) -c "import torch; print(torch.cuda.device_count() or 2)")
 THREADS = $(shell echo $$(( $$(nproc) / $(NPROC) > 0 ? $$(nproc) / $(NPROC) : 1 )))
+# no GPU: DeepSpeed's CPU accelerator, named so that every process does not warn that it found no GPU
+ACCEL = $(shell $(PY) -c "import torch; print('' if torch.cuda.is_available() else 'cpu')")
 
 .PHONY: train test data clean
 train: $(VENV)/.installed data
-	OMP_NUM_THREADS=$(THREADS) $(VENV)/bin/deepspeed --num_gpus $(NPROC) train.py --config configs/digits-vit.yaml --resume latest
+	OMP_NUM_THREADS=$(THREADS) $(if $(ACCEL),DS_ACCELERATOR=$(ACCEL)) $(VENV)/bin/deepspeed --log_level error --num_gpus $(NPROC) \
+		train.py --config configs/digits-vit.yaml --resume latest
 
 test: $(VENV)/.installed data
 	$(PY) -m pytest -q tests

@@ -6,7 +6,7 @@ The defaults are the main job: a small ViT on the bundled digits shards.
 """
 import dataclasses
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import yaml
 

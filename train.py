@@ -1,24 +1,20 @@
 """Train a Hugging Face ViT or Swin image classifier with DeepSpeed ZeRO stage 1, 2 or 3.
 
     deepspeed --num_gpus 2 train.py --config configs/digits-vit.yaml    # CPU: 2 ranks, gloo; GPU: NCCL
-    deepspeed train.py --config configs/imagenet-vit-b.yaml                # all GPUs of this node
+    deepspeed train.py --config my-recipe.yaml --model vit-base          # every GPU of this node
     torchrun --nproc_per_node 2 train.py --zero_stage 3
-    accelerate launch --num_processes 2 train.py --model swin-debug
-    python train.py --max_steps 20                                         # one rank
+    accelerate launch --multi_gpu --num_processes 2 train.py --model swin-debug
+    python train.py --max_steps 20                                       # one rank
 
 Every config key, its default and meaning is in config.py; `--key value` overrides the recipe.
-The run directory receives config.yaml, ds_config.json, metrics.jsonl, TensorBoard events (tb/),
+The run directory receives config.yaml, ds_config.json, ac_plan.json, metrics.jsonl, TensorBoard events (tb/),
 DeepSpeed checkpoints (checkpoints/) and, at the end, hf_model/ for `transformers.pipeline`.
 """
 import json
-import logging
 import os
-import resource
 import shutil
-import socket
 import sys
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -29,22 +25,14 @@ from config import Config, ConfigError, parse, to_dict
 from data.loader import ShardStream, TrainLoader, eval_batches, resume_state
 from data.shards import DataError, parse_spec
 from data.transforms import EvalTransform, TrainTransform, mix_batch
+from engine.distributed import dist_env, exit_distributed, init_distributed
+from engine.memory import memory_profiler, memory_trace, peak_memory_bytes
+from engine.parallelize import build_engine, engine_config
 from models import build_model, model_config
-from models.checkpointing import check_policy, memory_trace
-from models.parallelize import build_ds_config, exit_distributed, parallelize, release_deepspeed_shm, resolve_precision
+from models.checkpointing import check_policy
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def dist_env():
-    """(rank, world_size, local_rank, local_world_size) as the launcher set them; one rank without one."""
-    if "RANK" not in os.environ:  # plain `python train.py`
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    local_world = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or "1"  # torchrun / deepspeed
-    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"]), int(local_world)
+# a resumed run whose data layout changed starts a fresh data order, seeded by the seed and the step
+RESEED_STRIDE = 1_000_003
 
 
 def check_run(cfg: Config, world_size: int, rank: int):
@@ -56,8 +44,7 @@ def check_run(cfg: Config, world_size: int, rank: int):
         raise ConfigError(f"num_labels is {cfg.num_labels} but the train shards' _info.json lists {len(names)} classes")
     # an unknown model name raises here, with the list of known ones
     hidden = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size).hidden_size
-    precision = resolve_precision(cfg.precision)
-    ds_config = build_ds_config(cfg, hidden, world_size, precision)
+    engine_config(cfg, hidden, world_size)  # a DeepSpeed JSON that contradicts the run config raises here
     check_policy(cfg.ac, "cuda" if torch.cuda.is_available() else "cpu")
 
     ckpt_dir = os.path.join(cfg.output_dir, "checkpoints")
@@ -77,7 +64,7 @@ def check_run(cfg: Config, world_size: int, rank: int):
             if not existed and os.path.isdir(cfg.output_dir):
                 shutil.rmtree(cfg.output_dir, ignore_errors=True)
             raise ConfigError(f"output_dir '{cfg.output_dir}' is not writable: {e.strerror}") from None
-    return train_sources, val_sources, names, precision, ds_config
+    return train_sources, val_sources, names
 
 
 @torch.no_grad()
@@ -110,23 +97,36 @@ def evaluate(engine, loader, dtype, device):
     return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
 
 
-def peak_memory_bytes() -> int:
-    """GPU: the allocator's peak. CPU: the process's peak resident set (no allocator statistics there)."""
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def export_hf_model(engine, processor, out_dir: str, rank: int):
     """A Hugging Face directory `pipeline("image-classification", model=out_dir)` loads."""
-    if engine.zero_optimization_partition_weights():  # ZeRO-3: gather one layer at a time onto rank 0
-        state_dict = engine._zero3_consolidated_16bit_state_dict()
-    else:
-        state_dict = engine.module.state_dict()
+    state_dict = full_state_dict(engine, rank)
     if rank == 0:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # one shard: a bar says nothing
         engine.module.save_pretrained(out_dir, state_dict=state_dict)
         processor.save_pretrained(out_dir)
     dist.barrier()
+
+
+def full_state_dict(engine, rank: int) -> dict:
+    """The whole model's weights on rank 0 ({} elsewhere). Under ZeRO-3 each module's parameters are gathered
+    in turn (`deepspeed.zero.GatheredParameters`) and copied out, so no rank gathers the whole model at once."""
+    import deepspeed
+
+    module = engine.module
+    if not engine.zero_optimization_partition_weights():
+        return module.state_dict() if rank == 0 else {}
+    params = {name for name, _ in module.named_parameters()}
+    state = {k: v for k, v in module.state_dict().items() if k not in params} if rank == 0 else {}  # buffers
+    for prefix, sub in module.named_modules():
+        own = dict(sub.named_parameters(recurse=False))
+        if not own:
+            continue
+        with deepspeed.zero.GatheredParameters(list(own.values())):
+            if rank == 0:
+                state.update({f"{prefix}.{n}" if prefix else n: p.detach().cpu().clone() for n, p in own.items()})
+    return state
 
 
 def main(argv=None):
@@ -134,44 +134,30 @@ def main(argv=None):
     rank, world_size, local_rank, local_world = dist_env()
     try:
         cfg = parse(argv)
-        train_sources, val_sources, names, precision, ds_config = check_run(cfg, world_size, rank)
+        train_sources, val_sources, names = check_run(cfg, world_size, rank)
     except (ConfigError, DataError, ValueError) as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     if "OMP_NUM_THREADS" not in os.environ:  # cores / ranks on this node, as on every benchmark here
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    warnings.filterwarnings("ignore", message=r".*torch\.distributed\..* is deprecated")
-
-    import deepspeed  # after the checks: bad input fails in a second, not after DeepSpeed's import
-
-    deepspeed.utils.logger.setLevel(logging.WARNING)
-    deepspeed.init_distributed()  # NCCL on GPUs; gloo on DeepSpeed's CPU accelerator
-    dist.barrier()
-    release_deepspeed_shm(rank)
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dtype = DTYPES[precision]
+    device = init_distributed(local_rank)  # after the checks: bad input fails in a second, not after DeepSpeed's import
     ckpt_dir = os.path.join(cfg.output_dir, "checkpoints")
 
     # ------------------------------------------------------------------ model
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
     model, processor = build_model(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size, names)
     n_params = sum(p.numel() for p in model.parameters())
-    # activation checkpointing is planned from one forward of a random batch of the run's shape, so the
-    # profile reads no training data and the data order stays exact
-    profile_images = torch.randn(cfg.micro_batch_size, 3, cfg.image_size, cfg.image_size,
-                                 generator=torch.Generator().manual_seed(cfg.seed))
-    try:
-        engine, ac_plan = parallelize(model, cfg, ds_config, profile_images, world_size, precision, device.type,
-                                      log=print if rank == 0 else lambda *a: None)
+    try:  # activation checkpointing, then ZeRO, then torch.compile
+        built = build_engine(model, cfg, world_size, device.type, log=print if rank == 0 else lambda *a: None)
     except ConfigError as e:  # an `auto` budget that cannot be met shows only once the model is profiled
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
             if not os.listdir(cfg.output_dir):  # created by check_run, nothing written yet
                 os.rmdir(cfg.output_dir)
         sys.exit(2)
+    engine, ac_plan, ds_config, precision, dtype = (built.engine, built.ac_plan, built.ds_config, built.precision,
+                                                     built.dtype)
 
     # ------------------------------------------------------------------ resume
     start_step, data_state = 0, None
@@ -203,7 +189,7 @@ def main(argv=None):
     train_stream = ShardStream(
         train_sources, mode=cfg.data_mode, rank=rank, world_size=world_size, num_workers=cfg.num_workers,
         micro_batch_size=cfg.micro_batch_size, shuffle_buffer=cfg.shuffle_buffer,
-        seed=cfg.seed if data_state or not start_step else cfg.seed * 1_000_003 + start_step,
+        seed=cfg.seed if data_state or not start_step else cfg.seed * RESEED_STRIDE + start_step,
         transform=TrainTransform(processor, cfg.crop_scale_min, cfg.hflip, cfg.randaug_n, cfg.randaug_m),
         state=data_state)
     train_batches = TrainLoader(train_stream, cfg.num_workers)
@@ -255,13 +241,11 @@ def main(argv=None):
     for step in range(start_step + 1, cfg.max_steps + 1):
         step_start, data_wait = time.perf_counter(), 0.0
         lr = engine.get_lr()[0]
-        # one profiled step per run on CPU: its peak allocation is the memory figure issue-grade comparisons use
+        # one profiled step per run on CPU: its peak allocation is the CPU counterpart of the GPU allocator's peak
         profiler = None
         if device.type == "cpu" and step == start_step + 2:
-            from torch.profiler import ProfilerActivity, profile
-
-            profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-            profiler.__enter__()
+            profiler = memory_profiler()
+            prof = profiler.__enter__()
         sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, skipped, padded
         for micro in range(cfg.grad_accum_steps):
             wait_start = time.perf_counter()
@@ -278,7 +262,7 @@ def main(argv=None):
                                  device=device), torch.tensor(meta["padded"], dtype=torch.float64, device=device)])
         if profiler is not None:
             profiler.__exit__(None, None, None)
-            before, peak, _ = memory_trace(profiler)
+            before, peak, _ = memory_trace(prof)
         dist.all_reduce(sums)  # also synchronises, so the step time below is complete
         step_loss = sums[0].item() / (cfg.grad_accum_steps * world_size)
         data_totals += sums[1:]

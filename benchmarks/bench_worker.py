@@ -5,7 +5,7 @@
 
 `train_bench.py` launches it; every field of the spec is listed in `Spec`. The job:
   1. starts the profiler (only its memory events matter) before the model exists, builds the model from
-     the seed, wraps it, and runs `profiled_steps` steps under it. The peak allocation of those steps
+     the seed, wraps it (DeepSpeed: train.py's own `build_engine`), and runs `profiled_steps` steps under it. The peak allocation of those steps
      (checkpointing.allocation_curve) is the rank's peak memory, weights, gradients, optimizer states,
      buffers and activations included; the setup's peak (building and wrapping) is reported beside it. The
      activations are what the last profiled forward left allocated for its backward, less the whole weights
@@ -26,7 +26,6 @@ import os
 import resource
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -35,11 +34,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from config import Config  # noqa: E402
-from models import build_model, model_config  # noqa: E402
-from models.blocks import find_blocks  # noqa: E402
-from models.checkpointing import allocation_curve, trace_events  # noqa: E402
-from models.parallelize import (build_ds_config, exit_distributed, lr_schedule, param_groups,  # noqa: E402
-                                parallelize, release_deepspeed_shm)
+from engine import compat  # noqa: E402
+from engine.distributed import exit_distributed, init_distributed  # noqa: E402
+from engine.memory import allocation_curve, trace_events  # noqa: E402
+from engine.optim import lr_schedule, param_groups  # noqa: E402
+from engine.parallelize import build_engine  # noqa: E402
+from models import build_model, find_blocks  # noqa: E402
 
 
 @dataclass
@@ -54,8 +54,7 @@ class Spec:
     reshard: bool = True  # fsdp2: reshard_after_forward (True ~ ZeRO-3, False ~ ZeRO-2)
     profiled_steps: int = 2  # the first steps, under the memory profiler (they also warm up)
     # untimed steps before the timed ones: on CPU the process heap grows to the step's working set over the
-    # first steps, and fresh pages are slow (train_bench.CPU_ALLOCATOR_ENV); on Swin-T + selective the first
-    # step after the profiled ones ran 20-33% slower than the steps after it
+    # first steps, and fresh pages are slow (train_bench.CPU_ALLOCATOR_ENV)
     warmup_steps: int = 0
     timed_steps: int = 3
     count_flops: bool = True  # one extra, untimed step under torch's FLOP counter (recompute included)
@@ -71,12 +70,11 @@ def batch(spec: Spec, rank: int, step: int):
 
 def run_config(spec: Spec) -> Config:
     """The run config every engine trains with: train.py's defaults (AdamW, lr 2e-3, weight decay 0.05 off
-    norms and biases, clipping at 1.0, label smoothing 0.1), the spec's shape, and a warm-up that lasts
-    past the few steps of a job."""
+    norms and biases, clipping at 1.0, label smoothing 0.1, precision `auto`: fp32 on CPU, bf16 on GPUs), the
+    spec's shape, and a warm-up that lasts past the few steps of a job."""
     return Config(model=spec.model, num_labels=spec.num_labels, image_size=spec.image_size,
                   patch_size=spec.patch_size, zero_stage=spec.zero, ac=spec.ac if spec.engine == "deepspeed" else "none",
-                  micro_batch_size=spec.micro_batch_size, warmup_steps=20, max_steps=100,
-                  seed=spec.seed, precision="fp32")
+                  micro_batch_size=spec.micro_batch_size, warmup_steps=20, max_steps=100, seed=spec.seed)
 
 
 class FSDP2Step:
@@ -127,18 +125,12 @@ class FSDP2Step:
 
 
 class DeepSpeedStep:
-    """train.py's path: build_ds_config, parallelize (activation checkpointing, then DeepSpeed), and its loop body."""
+    """train.py's path: `build_engine` (activation checkpointing, ZeRO, compile) and its loop body."""
 
-    def __init__(self, model, cfg: Config, spec: Spec, world_size: int):
-        hidden = model_config(spec.model, spec.num_labels, spec.image_size, spec.patch_size).hidden_size
-        precision = "bf16" if torch.cuda.is_available() else "fp32"
-        ds_config = build_ds_config(cfg, hidden, world_size, precision)
-        profile_images = torch.randn(cfg.micro_batch_size, 3, cfg.image_size, cfg.image_size,
-                                     generator=torch.Generator().manual_seed(cfg.seed))
-        self.engine, self.plan = parallelize(model, cfg, ds_config, profile_images, world_size, precision,
-                                             "cuda" if torch.cuda.is_available() else "cpu", log=lambda *a: None)
-        self.dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-        self.cfg = cfg
+    def __init__(self, model, cfg: Config, world_size: int):
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        built = build_engine(model, cfg, world_size, device_type, log=lambda *a: None)
+        self.engine, self.plan, self.dtype, self.cfg = built.engine, built.ac_plan, built.dtype, cfg
 
     def forward(self, images, labels):
         logits = self.engine(images.to(self.dtype)).logits.float()
@@ -147,11 +139,8 @@ class DeepSpeedStep:
     def gathered_weight_bytes(self) -> int:
         """Bytes of ZeRO-3 parameters gathered whole (or being gathered) on this rank; 0 under ZeRO 1 and 2,
         whose weights are never partitioned. The forward ends with some still gathered: those the backward
-        reads first, which ZeRO-3's prefetch and reuse distance keep (measured on Swin-T: 59.9 MiB)."""
-        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-        return sum(p.ds_numel * p.element_size() for p in self.engine.module.parameters()
-                   if getattr(p, "ds_status", ZeroParamStatus.NOT_AVAILABLE) != ZeroParamStatus.NOT_AVAILABLE)
+        reads first, which ZeRO-3's prefetch and reuse distance keep."""
+        return compat.zero3_gathered_bytes(self.engine.module)
 
     def backward_step(self, loss):
         self.engine.backward(loss)
@@ -194,24 +183,16 @@ def main():
     if traced_steps and not os.environ.get("BENCH_TRACE_DIR"):
         sys.exit("error: BENCH_TRACE_STEP needs BENCH_TRACE_DIR, the folder its traces go to")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    warnings.filterwarnings("ignore")
     from torch.profiler import ProfilerActivity, profile, record_function
-    from torch.utils.flop_counter import FlopCounterMode
 
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if spec.engine == "deepspeed":
-        import logging
-
-        import deepspeed
-
-        deepspeed.utils.logger.setLevel(logging.WARNING)
-        deepspeed.init_distributed()
-        dist.barrier()
-        release_deepspeed_shm(rank)
+        device = init_distributed(local_rank)  # as train.py
     else:
+        device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(device)
         dist.init_process_group("nccl" if cuda else "gloo")
     cfg = run_config(spec)
 
@@ -223,7 +204,7 @@ def main():
     with record_function("bench/build"):
         model, _ = build_model(spec.model, spec.num_labels, spec.image_size, spec.patch_size)
     with record_function("bench/wrap"):
-        step_fn = DeepSpeedStep(model, cfg, spec, world_size) if spec.engine == "deepspeed" \
+        step_fn = DeepSpeedStep(model, cfg, world_size) if spec.engine == "deepspeed" \
             else FSDP2Step(model, cfg, spec)
     losses, times, hardware_flops = [], [], 0
     # steps: the profiled ones, then one under the FLOP counter (its dispatch mode changes what stays
@@ -241,7 +222,7 @@ def main():
             if cuda:
                 step_peak = torch.cuda.max_memory_allocated()
                 reserved = torch.cuda.max_memory_reserved()
-        counter = FlopCounterMode(display=False) if step == flop_step else contextlib.nullcontext()
+        counter = compat.flop_counter() if step == flop_step else contextlib.nullcontext()
         traced = step in traced_steps and step > spec.profiled_steps  # not under the memory profiler
         timeline = profile(activities=[ProfilerActivity.CPU]) if traced else contextlib.nullcontext()
         start = time.perf_counter()

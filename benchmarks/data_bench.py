@@ -6,7 +6,7 @@
 Measures images/s of the real training path (tar read -> JPEG decode -> random resized crop -> flip ->
 RandAugment(2, 9) -> normalise -> batch) for each worker count, and of the evaluation path. All
 configurations run in this one invocation, in alternating order, repeated; the median is reported with
-min-max (../shared/BENCHMARKING.md).
+min-max (docs/benchmarks.md).
 """
 import argparse
 import csv

@@ -69,7 +69,7 @@ class Suite:
     timed_steps: int = 2
     ranks: int = 2
     timeout_s: int = 600
-    targets_shape: str = ""  # the shape the issue's targets are checked on
+    targets_shape: str = ""  # the shape the engine and `auto` targets are checked on
     notes: list = field(default_factory=list)
 
 
@@ -101,9 +101,8 @@ SUITES = {
                             *zero(2, "auto:race"), *zero(3, "auto:race", "auto:f0.25", "auto:f0.5", "auto:f0.75")],
               SWIN_T.label: [fsdp2("none"), fsdp2("full"), *zero(2, "none", "selective"),
                              *zero(3, "none", "selective", "full", "hierarchical")]},
-        # 4 timed steps per job, 12 per configuration: a warm Swin-T ZeRO-3 step has single ops stalling
-        # 100-180 ms at random (traced, both ranks at once, with and without checkpointing), and the
-        # median of 6 moved the `selective` overhead by several points between runs
+        # 4 timed steps per job, 12 per configuration: warm Swin-T ZeRO-3 steps have single ops stalling at
+        # random (docs/benchmarks.md), which a median of fewer steps does not absorb
         warmup_steps=2, timed_steps=4, targets_shape="vit-small"),
     "gpu": Suite(
         shapes=[Shape("vit-large", 224, 16, 32, "ViT-L/16, 224x224, batch 32 per GPU"),
@@ -128,11 +127,9 @@ def runs_of(suite: Suite, shape: Shape) -> list:
 
 # ----------------------------------------------------------------------------- measuring
 # glibc's malloc hands allocations above 32 MiB to mmap and returns freed heap tops to the kernel, so every step
-# faults those pages in again; on this VM a fresh page costs about twice the op writing it (GELU into a fresh
-# 48 MiB buffer 19.7 ms, into a reused one 6.2 ms), which taxes a checkpointed backward's new allocations, not
-# the work. Keeping freed memory in the process is what CUDA's caching allocator does on GPUs. Measured on
-# Swin-T, ZeRO-2, steady state: `none` the same, `selective` 4.3 -> 3.95 s a step. No effect on the peaks,
-# which come from the profiler's allocation events; max RSS grows. Only read by a process at its start.
+# faults those pages in again, which taxes a checkpointed backward's new allocations rather than its work.
+# Keeping freed memory in the process is what CUDA's caching allocator does on GPUs (docs/benchmarks.md). No
+# effect on the peaks, which come from the profiler's allocation events; max RSS grows. Read at process start.
 CPU_ALLOCATOR_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
 
 
@@ -170,13 +167,12 @@ def gpu_peak_gflops() -> list:
 
 def model_flops_per_image(shape: Shape) -> float:
     """Forward + backward FLOPs of the model as defined (no recompute), counted by torch."""
-    from torch.utils.flop_counter import FlopCounterMode
-
+    from engine import compat
     from models import build_model
 
     model, _ = build_model(shape.model, 10, shape.image_size, shape.patch_size)
     images = torch.randn(2, 3, shape.image_size, shape.image_size)
-    with FlopCounterMode(display=False) as counter:
+    with compat.flop_counter() as counter:
         model(images).logits.sum().backward()
     return counter.get_total_flops() / 2
 
@@ -187,8 +183,8 @@ def peak_of(result: dict) -> int:
 
 
 def resolve_budget(run: Run, shape: Shape, measured: dict):
-    """GiB for `auto:race` (halfway between FSDP2 + HF full AC's and FSDP2 no-AC's peaks, issue 5's budget
-    race) or `auto:fX` (X of the way from this stage's `full` peak to its `none` peak, issue 4's sweep)."""
+    """GiB for `auto:race` (halfway between FSDP2 + HF full AC's and FSDP2 no-AC's peaks: the budget race) or
+    `auto:fX` (X of the way from this stage's `full` peak to its `none` peak: the budget sweep)."""
     arg = run.ac.split(":", 1)[1]
     if arg == "race":
         low, high = measured.get((shape.label, fsdp2("full").name)), measured.get((shape.label, fsdp2("none").name))
@@ -273,7 +269,7 @@ def summarise(results: list, shapes: list, suite: Suite, flops: dict, peak_gflop
                 setup_peak_mib=round(statistics.median(max(r["setup_peak_bytes"]) for r in jobs) / MiB, 1),
                 step_peak_mib=round(statistics.median(max(r["step_peak_bytes"]) for r in jobs) / MiB, 1),
                 activation_mib=round(statistics.median(max(r["activation_bytes"]) for r in jobs) / MiB, 1),
-                # the whole weights that forward left beside them (not in runs.jsonl before 2026-11-30)
+                # the whole weights that forward left beside them (absent from older runs.jsonl files: 0)
                 forward_weights_mib=round(statistics.median(max(r.get("forward_weight_bytes", [0])) for r in jobs)
                                           / MiB, 1),
                 max_rss_mib=round(statistics.median(max(r["max_rss_bytes"]) for r in jobs) / MiB, 1),
@@ -289,8 +285,8 @@ def summarise(results: list, shapes: list, suite: Suite, flops: dict, peak_gflop
 
 
 def check_targets(rows: list, suite: Suite) -> list:
-    """(target, verdict, figures) for issue 5's three targets and issue 4's `auto` ones on the targets shape,
-    and issue 4's `selective` one on every shape."""
+    """(target, verdict, figures): the engine targets (budget race, memory, floor) and `auto`'s on the targets
+    shape, and `selective`'s on every shape (docs/benchmarks.md lists them)."""
     label = next((s.label for s in suite.shapes if s.model == suite.targets_shape), None)
     shape_rows = [r for r in rows if r["shape"] == label and "images_per_sec" in r]
     by = {r["config"]: r for r in shape_rows}
@@ -325,7 +321,7 @@ def check_targets(rows: list, suite: Suite) -> list:
                     z3f["peak_alloc_mib"] <= f_full["peak_alloc_mib"],
                     f"{z3f['peak_alloc_mib']:.0f} vs {f_full['peak_alloc_mib']:.0f} MiB (setup peaks "
                     f"{z3f['setup_peak_mib']:.0f} vs {f_full['setup_peak_mib']:.0f} MiB)"))
-    for shape in suite.shapes:  # issue 4 holds `selective` to its target on every shape (ViT-S and Swin-T)
+    for shape in suite.shapes:  # `selective` is held to its target on every shape
         of_shape = {r["config"]: r for r in rows if r["shape"] == shape.label and "images_per_sec" in r}
         for stage in (1, 2, 3):
             none, sel = of_shape.get(f"ZeRO-{stage} + none"), of_shape.get(f"ZeRO-{stage} + selective")
@@ -366,7 +362,15 @@ def environment(threads: int, gemm: list) -> dict:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return {"date": datetime.date.today().isoformat(), "cpu": cpu, "cores": os.cpu_count(),
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        commit += " (with uncommitted changes)" if dirty else ""
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown (not a git checkout)"
+    return {"date": datetime.date.today().isoformat(), "git_commit": commit, "cpu": cpu, "cores": os.cpu_count(),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "",
             "torch": torch.__version__, "deepspeed": deepspeed.__version__, "transformers": transformers.__version__,
             "threads_per_rank": threads, "peak_gflops_per_rank": round(statistics.median(gemm), 1),
@@ -377,7 +381,8 @@ def environment(threads: int, gemm: list) -> dict:
 def write_markdown(path: str, suite_name: str, suite: Suite, rows: list, targets: list, env: dict, minutes: float):
     with open(path, "w") as f:
         f.write(f"# `{suite_name}` suite\n\n![throughput against peak memory](pareto.png)\n\n")
-        f.write(f"{env['date']} | {env['gpu'] or env['cpu']}, {env['cores']} cores | torch {env['torch']}, deepspeed "
+        f.write(f"{env['date']} | commit {env.get('git_commit', 'not recorded')} | {env['gpu'] or env['cpu']}, "
+                f"{env['cores']} cores | torch {env['torch']}, deepspeed "
                 f"{env['deepspeed']}, transformers {env['transformers']} | {suite.ranks} ranks x "
                 f"{env['threads_per_rank']} threads | MFU peak {env['peak_gflops_per_rank']} GFLOP/s per rank "
                 f"({env['peak_source']}) | {suite.repeats} repeats in alternating order, {suite.timed_steps} timed steps "
@@ -452,9 +457,9 @@ def plot(path: str, suite: Suite, rows: list):
     plt.close(fig)
 
 
-# Reproduced "within noise", row by row (BENCHMARKING.md: speed only as a ratio inside one invocation). The
+# Reproduced "within noise", row by row (speed only as a ratio inside one invocation: docs/benchmarks.md). The
 # noise is the larger of a floor and the spread (max - min over median) of the configuration's own jobs in
-# either run: FSDP2 + full AC's peak, for one, varies by 12% from job to job here.
+# either run, since some configurations' peaks vary from job to job by more than the floor.
 SPEED_NOISE = 0.05  # images/s relative to the run's own FSDP2 no-AC median
 PEAK_NOISE = 0.03  # peak allocated bytes
 
@@ -540,7 +545,7 @@ def main(argv=None):
         with open(os.path.join(out_dir, "environment.json")) as f:
             saved = json.load(f)
         return report(out_dir, args.suite, suite, results, saved["gemm_samples"], threads, saved["minutes"],
-                      args.compare)
+                      args.compare, saved_env=saved)
     if os.path.exists(os.path.join(out_dir, "failed.log")):
         os.remove(os.path.join(out_dir, "failed.log"))
     started = time.perf_counter()
@@ -574,9 +579,12 @@ def main(argv=None):
 
 
 def report(out_dir: str, suite_name: str, suite: Suite, results: list, gemm: list, threads: int, minutes: float,
-           compare_to: str = "") -> int:
+           compare_to: str = "", saved_env: dict = None) -> int:
+    """Write results.csv/.md, environment.json and pareto.png; `saved_env`: the runs' own environment (a report
+    rewritten later keeps the date, commit and versions of the runs)."""
     flops = {s.label: model_flops_per_image(s) for s in suite.shapes}
-    env = environment(threads, gemm)
+    env = {k: v for k, v in saved_env.items() if k not in ("suite", "minutes", "model_flops_per_image")} \
+        if saved_env else environment(threads, gemm)
     rows = summarise(results, suite.shapes, suite, flops, env["peak_gflops_per_rank"])
     targets = check_targets(rows, suite)
     columns = list(dict.fromkeys(k for r in rows for k in r))

@@ -7,25 +7,25 @@ Policies (run-config key `ac`):
   selective       keep the outputs of the compute-heavy ops (matmuls, attention kernels), recompute the
                   cheap, memory-heavy ones (norms, GELU, softmax, dropout, residual adds); Korthikanti et
                   al. 2022, with PyTorch's selective checkpoint contexts
-  hierarchical[:K]  the first K blocks full, the rest selective (ViT); for Swin, K counts stages. The
-                  default K is taken from a measured profile: the largest-activation blocks holding half
-                  of all activation bytes recompute fully
+  hierarchical[:K]  the first K blocks full, the rest selective (ViT); for Swin, K counts stages. By
+                  default K covers the largest-activation blocks holding half of all activation bytes, read
+                  off the profile
   offload         keep every block's saved activations in pinned host memory (GPU only)
   auto:BUDGET_GB  per-block plan (none | selective | full) from a one-batch profile of the real model,
                   the least recompute that fits BUDGET_GB per rank
 
 A block is wrapped by replacing its instance `forward` with a checkpointed call of the original: module
-hooks (DeepSpeed ZeRO-3's parameter gather and release, on whole blocks: models.parallelize) stay outside
-the checkpoint; parameter names and `state_dict` keys do not change.
+hooks (DeepSpeed ZeRO-3's parameter gather and release, on whole blocks: engine/parallelize.py) stay outside
+the checkpoint; parameter names and `state_dict` keys do not change. How plans are made and why they are exact:
+docs/activation_checkpointing.md.
 """
-import json
 from dataclasses import dataclass
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
-from torch.utils.flop_counter import flop_registry
 
 from config import ConfigError
+from engine import compat
 from models.blocks import Block, find_blocks
 
 aten = torch.ops.aten
@@ -75,7 +75,6 @@ def _wrap(block: Block, how: str, keep=None):
     else:
         raise ValueError(how)
     block.module.forward = forward
-    block.module._ac_policy = how
 
 
 def parse_policy(ac: str):
@@ -122,9 +121,8 @@ class BlockProfile:
     flops_selective: int  # those of them whose outputs `selective` does not keep (see `keep`): rerun under it
     cheap_elems: int  # elements produced by the other ops before the last saved tensor: rerun by both
     keep: list  # per compute op in forward order: does the backward read its output, itself or as a copy?
-    # What the block's backward holds beside the saved activations: the gradient of its largest matmul
-    # output and of its input (measured on ViT-S under ZeRO-3: 14.4 + 3.0 MiB at the step's peak, against
-    # 12.2 + 3.0 counted this way)
+    # what the block's backward holds beside the saved activations: the gradients of its largest matmul output
+    # and of its input
     bytes_grad: int = 0
 
     def scaled(self, factor: float) -> "BlockProfile":
@@ -152,8 +150,7 @@ class _OpRecorder(torch.utils._python_dispatch.TorchDispatchMode):
         self.copied_from = {}
         # Compute outputs (and copies of them) are matched to saved tensors by storage address; holding them
         # for the profile's forward keeps a freed output's address from being reused by a later saved tensor,
-        # which made `keep` mark unsaved outputs at random (measured: the attention out-projection in 2-9 of
-        # 12 ViT-S blocks, varying by process).
+        # which would mark an unsaved output as kept.
         self.alive = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -165,8 +162,7 @@ class _OpRecorder(torch.utils._python_dispatch.TorchDispatchMode):
             if func in COMPUTE_OPS:
                 self.alive.append(tensors[0])
                 storage = tensors[0].untyped_storage()
-                count = flop_registry.get(func._overloadpacket)
-                flops = count(*args, **(kwargs or {}), out_val=out) if count else 0
+                flops = compat.flop_count(func, args, kwargs or {}, out)
                 ops = self.compute_outputs.setdefault(self.block, [])
                 self.copied_from[storage.data_ptr()] = (self.block, len(ops))
                 ops.append((storage.data_ptr(), storage.nbytes(), flops, packs))
@@ -196,8 +192,6 @@ class Profile(list):
 def profile_blocks(model, images: torch.Tensor) -> Profile:
     """One forward of the unwrapped model: saved-tensor bytes (unique storages; activations only, not the
     weights the matmuls also save), FLOPs and cheap-op work per block."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     weights = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
 
     blocks = find_blocks(model)
@@ -221,21 +215,18 @@ def profile_blocks(model, images: torch.Tensor) -> Profile:
             storage = t.untyped_storage()
             saved.setdefault(recorder.block, {})[storage.data_ptr()] = storage.nbytes()
         # Detached: a saved output returned as itself closes a cycle through its own grad_fn that Python's
-        # collector cannot see, and the profiled forward would stay allocated (measured: all of it, for good).
-        # This forward never runs a backward.
+        # collector cannot see, and the profiled forward would stay allocated for good. This forward never
+        # runs a backward.
         return t.detach()
 
-    flops = FlopCounterMode(display=False)
-    # torch's own linear, which checkpointed blocks run under every ZeRO stage (models/parallelize.py): an
-    # earlier ZeRO-3 engine in this process may have replaced F.linear with DeepSpeed's, which saves its
-    # inputs after its matmul and so would move where the recompute stops
-    linear, torch.nn.functional.linear = torch.nn.functional.linear, torch._C._nn.linear
-    try:  # fork_rng: the profile must not move the RNG that dropout and stochastic depth draw from
-        with torch.random.fork_rng(devices=[]), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-                flops, recorder:
+    flops = compat.flop_counter()
+    # torch's own linear, which checkpointed blocks run under every ZeRO stage (engine/parallelize.py); the
+    # fork_rng: the profile must not move the RNG that dropout and stochastic depth draw from
+    try:
+        with torch.random.fork_rng(devices=[]), compat.functional_linear_is_torchs(), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flops, recorder:
             model(images).logits.sum()
     finally:
-        torch.nn.functional.linear = linear
         for h in handles:
             h.remove()
         recorder.alive.clear()
@@ -343,7 +334,7 @@ def apply_activation_checkpointing(model, ac: str, device_type: str, profile_ima
     """Wrap the model's blocks per policy `ac`; returns the plan that was applied (for the run directory).
 
     `fixed`: the bytes that do not depend on the batch when the backward starts and at the optimizer step
-    (models.parallelize.zero_memory_bytes); `auto` budgets the activations against them."""
+    (engine.memory.zero_memory_bytes); `auto` budgets the activations against them."""
     fixed = fixed or {"backward": 0, "optimizer_step": 0}
     name, arg = check_policy(ac, device_type)
     if name != "none" and hf_checkpointing_is_on(model):
@@ -354,12 +345,10 @@ def apply_activation_checkpointing(model, ac: str, device_type: str, profile_ima
         raise ConfigError(f"ac '{ac}': no transformer blocks found in {type(model).__name__}")
     profile = None
     if name in ("hierarchical", "auto") or profile_images is not None:
-        # Profile a small slice of the batch and scale: bytes and FLOPs are exact (tested), and it keeps the
-        # profile's own activations (and the compute outputs it holds) from becoming the process's peak
-        # memory (measured on ViT-S, batch 32: +1.1 GiB at startup when profiled at full batch).
+        # Profile a small slice of the batch and scale: bytes and FLOPs are exact (tested), and the profile's
+        # own activations (and the compute outputs it holds) stay far below the step's peak memory.
         # A copy, not a view: a view's storage is the whole batch, and the patch embedding saves its input,
-        # which was then counted at the whole batch's size and scaled again (Swin-T, 128x128, batch 32:
-        # 96 MiB planned for a 6 MiB input).
+        # which would be counted at the whole batch's size and then scaled again.
         small = profile_images[:PROFILE_BATCH].clone()
         profile = profile_blocks(model, small).scaled(len(profile_images) / len(small))
     if name == "none":
@@ -402,71 +391,3 @@ def apply_activation_checkpointing(model, ac: str, device_type: str, profile_ima
                 f"{mib['peak_planned']:.1f} MiB at the peak | recompute {result['recompute_flops_fraction']:.1%} "
                 f"of the step's FLOPs")
     return result
-
-
-def trace_events(prof) -> list:
-    """The events of a finished profiler run, as its chrome trace lists them."""
-    import tempfile
-
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        with open(f.name) as trace:
-            return json.load(trace)["traceEvents"]
-
-
-def allocation_curve(events: list) -> list[tuple[float, int]]:
-    """(time, bytes allocated) before the first and after each of a CPU profiler run's "[memory]" events, in
-    time order.
-
-    PyTorch keeps no CPU allocator statistics; the profiler's memory events are the record, the CPU
-    counterpart of torch.cuda.memory_allocated(). Their own running "Total Allocated" is not used: a free on
-    a thread the profiler is not active on is neither recorded nor taken off that count (a tensor made here
-    and dropped by a plain `threading.Thread` shows it; in a run, gloo's worker threads drop the last
-    reference to a finished asynchronous collective's tensors, DeepSpeed's ZeRO-3 gathers and FSDP2's
-    all-gathers). The count then only grows: measured on ViT-S ZeRO-3 + selective, 6 identical jobs,
-    step peaks of 644-720 MiB by the count, 594-614 MiB here. A block the trace still holds whose address is
-    allocated again was freed unseen, so it is dropped then, the latest moment it can have been freed; a
-    block freed unseen and never reused stays counted, so the curve is never below the real one.
-    """
-    memory = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
-    if not memory:
-        return []
-    allocated = memory[0]["args"]["Total Allocated"] - memory[0]["args"]["Bytes"]  # from before the profiler
-    live, curve = {}, [(memory[0]["ts"], allocated)]
-    for e in memory:
-        address, size = e["args"]["Addr"], e["args"]["Bytes"]
-        if size > 0:
-            allocated += size - live.pop(address, 0)
-            live[address] = size
-        else:
-            allocated -= live.pop(address, -size)
-        curve.append((e["ts"], allocated))
-    return curve
-
-
-def memory_trace(prof) -> tuple[int, int, int]:
-    """(allocated before, peak, allocated after) from a CPU profiler run with profile_memory=True."""
-    curve = allocation_curve(trace_events(prof))
-    if not curve:
-        return 0, 0, 0
-    return curve[0][1], max(v for _, v in curve), curve[-1][1]
-
-
-def measure_activation_bytes(model, images: torch.Tensor) -> int:
-    """Bytes a training forward leaves allocated for the backward (activations plus the logits), measured:
-    the caching allocator's count on GPU, the profiler's memory events on CPU."""
-    if images.is_cuda:
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        out = model(images).logits
-        torch.cuda.synchronize()
-        retained = torch.cuda.memory_allocated() - before
-        del out
-        return retained
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = model(images).logits
-    before, _, after = memory_trace(prof)
-    del out
-    return after - before

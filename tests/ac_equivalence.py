@@ -3,7 +3,8 @@
     deepspeed --num_gpus 2 tests/ac_equivalence.py ZERO_STAGE OUT.json
 
 For vit-debug and swin-debug, each policy trains 4 steps from the same seed on the same per-rank batches
-under the given ZeRO stage; rank 0 writes the losses and a digest of the final weights per policy.
+under the given ZeRO stage, through train.py's own `build_engine`; rank 0 writes the losses and a digest of
+the final weights per policy, and what the compat functions found (tests/test_compat.py reads those).
 """
 import json
 import os
@@ -13,43 +14,44 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from config import Config  # noqa: E402
+from engine import compat  # noqa: E402
+from engine.distributed import exit_distributed  # noqa: E402
+from engine.memory import zero_memory_bytes  # noqa: E402
+from engine.parallelize import build_engine, engine_config  # noqa: E402
 from models import build_model  # noqa: E402
 from models.checkpointing import activation_peak, profile_blocks  # noqa: E402
-from models.parallelize import (build_ds_config, exit_distributed, parallelize, zero_memory_bytes,  # noqa: E402
-                               release_deepspeed_shm)
 
 stage, out = [int(a) if a.isdigit() else a for a in sys.argv[1:] if not a.startswith("--local_rank")]
 deepspeed.init_distributed()
 rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
 torch.distributed.barrier()
-release_deepspeed_shm(rank)
-results = {}
+results = {"compat": {"shm_released": compat.release_deepspeed_shm(rank)}}
 for name in ("vit-debug", "swin-debug"):
     torch.manual_seed(0)
     probe, _ = build_model(name, 10, 16)
-    images = torch.randn(8, 3, 16, 16)
-    prof = profile_blocks(probe, images)
+    prof = profile_blocks(probe, torch.randn(8, 3, 16, 16))
     cfg = Config(zero_stage=stage, micro_batch_size=8, lr=1e-3, warmup_steps=1, max_steps=4, weight_decay=0.05)
-    ds = build_ds_config(cfg, probe.config.hidden_size, world, "fp32")
-    fixed = zero_memory_bytes(sum(p.numel() for p in probe.parameters()), stage, world, "fp32", ds)
+    precision, ds = engine_config(cfg, probe.config.hidden_size, world)
+    fixed = zero_memory_bytes(sum(p.numel() for p in probe.parameters()), stage, world, precision, ds)
     lowest, highest = (activation_peak(prof, [how] * len(prof)) for how in ("full", "none"))
     mid = max(fixed["backward"] + prof.bytes_outside + (lowest + highest) / 2, fixed["optimizer_step"]) / 2**30
     for ac in ("none", "full", "every_n:2", "selective", "hierarchical", f"auto:{mid:.9f}"):
         torch.manual_seed(0)
         model, _ = build_model(name, 10, 16)
         cfg.ac = ac
-        # train.py's own wrapping: activation checkpointing, then DeepSpeed, then its ZeRO-3 linear fix
-        engine, plan = parallelize(model, cfg, ds, images, world, "fp32", "cpu", log=lambda *a: None)
+        built = build_engine(model, cfg, world, "cpu", log=lambda *a: None)  # train.py's own wrapping
+        engine, plan = built.engine, built.ac_plan
+        if stage == 3:
+            results["compat"]["zero3_linear_replaced"] = torch.nn.functional.linear is compat._zero3_linear
         torch.manual_seed(1)  # once: drop path draws the same numbers whatever the policy
         losses = []
         for step in range(4):
             g = torch.Generator().manual_seed(100 * step + rank)
             x, y = torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
             # every step's forward and backward counted (recompute included); the last step's counter is kept
-            with FlopCounterMode(display=False) as counter:
+            with compat.flop_counter() as counter:
                 loss = F.cross_entropy(engine(x).logits, y)
                 engine.backward(loss)
             engine.step()

@@ -23,8 +23,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(args, nproc=2, launcher="deepspeed", timeout=300, check=True):
-    """Run train.py as real processes: `deepspeed`, `torchrun`, `accelerate` or plain `python` (1 rank)."""
+def launch(args, nproc=2, launcher="deepspeed", timeout=300, check=True, warnings=False):
+    """Run train.py as real processes: `deepspeed`, `torchrun`, `accelerate` or plain `python` (1 rank).
+    `warnings`: leave Python's warnings on, as a user has them."""
     port = str(free_port())
     if launcher == "deepspeed":
         cmd = [f"{BIN}/deepspeed", "--num_gpus", str(nproc), "--master_port", port, "train.py"]
@@ -35,7 +36,9 @@ def launch(args, nproc=2, launcher="deepspeed", timeout=300, check=True):
                "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", port, "train.py"]
     else:
         cmd = [sys.executable, "train.py"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
+    if not warnings:
+        env["PYTHONWARNINGS"] = "ignore"
     env.pop("RANK", None)
     proc = subprocess.run(cmd + [str(a) for a in args], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=timeout)

@@ -1,6 +1,5 @@
 """Bad input: one line naming the problem, a non-zero exit before training, nothing left in output_dir."""
 import json
-import os
 
 import pytest
 from conftest import launch

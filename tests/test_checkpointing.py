@@ -9,9 +9,10 @@ import torch
 from conftest import BIN, REPO, free_port, launch, read_metrics
 from config import ConfigError
 from models import build_model, find_blocks
-from models.checkpointing import (BlockProfile, activation_peak, allocation_curve, apply_activation_checkpointing,
-                                  default_hierarchical_k, measure_activation_bytes, memory_trace, parse_policy,
-                                  plan_for_budget, profile_blocks, trace_events, PROFILE_BATCH)
+from engine.memory import allocation_curve, measure_activation_bytes, memory_trace, trace_events
+from models.checkpointing import (BlockProfile, activation_peak, apply_activation_checkpointing,
+                                  default_hierarchical_k, parse_policy, plan_for_budget, profile_blocks,
+                                  PROFILE_BATCH)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -27,6 +28,7 @@ def test_every_policy_matches_none_bitwise_under_zero(stage, tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())
+    compat_found = results.pop("compat")  # tests/test_compat.py's share of this run
     assert len(results) == 12
     for key, r in results.items():
         model, policy = key.split("|")
@@ -36,9 +38,14 @@ def test_every_policy_matches_none_bitwise_under_zero(stage, tmp_path):
         if policy in ("full", "selective"):
             assert set(r["policies"]) == {policy}
         # the backward repeats exactly the matmul and attention FLOPs the profile predicted: under ZeRO-3 too,
-        # where DeepSpeed's linear had made every recompute run the block's last matmul as well
+        # where DeepSpeed's linear would make every recompute run the block's last matmul as well
         assert r["flops"] - none["flops"] == r["recompute_flops_planned"], key
     assert results["vit-debug|auto"]["policies"] != ["none", "none"]  # the mid budget forced some recompute
+    # what engine/compat.py relies on in DeepSpeed: its CPU all-reduce buffer under the name it computes, and
+    # (ZeRO-3) DeepSpeed's process-wide linear, which it replaces
+    assert compat_found["shm_released"] is True
+    if stage == 3:
+        assert compat_found["zero3_linear_replaced"] is True
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +63,7 @@ def test_policies_reduce_measured_activation_memory(vit_small):
         apply_activation_checkpointing(m, ac, "cpu", images, log=lambda *a: None)
         measured[ac] = measure_activation_bytes(m, images)
     assert measured["none"] > measured["selective"] > measured["hierarchical"] > measured["full"] > 0
-    assert measured["selective"] < 0.6 * measured["none"]  # the 40% target; measured here: 43% less
+    assert measured["selective"] < 0.6 * measured["none"]  # the target: at least 40% less
     assert measured["full"] < 0.1 * measured["none"]
 
 
@@ -221,7 +228,7 @@ def test_no_nested_checkpointing():
         apply_activation_checkpointing(model, "full", "cpu", None)
     model, _ = build_model("swin-debug", 10, 16)
     apply_activation_checkpointing(model, "full", "cpu", None)
-    wrapped = [n for n, m in model.named_modules() if getattr(m, "_ac_policy", None)]
+    wrapped = [n for n, m in model.named_modules() if "forward" in vars(m)]  # an instance forward: wrapped
     assert wrapped == [b.name for b in find_blocks(model)]  # blocks only, never a stage around them
     assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
 

@@ -11,6 +11,7 @@ from conftest import REPO, launch, read_metrics
 
 MODELS, STAGES = ("vit-debug", "swin-debug"), (1, 2, 3)
 GOLDEN = os.path.join(REPO, "tests", "golden", "vit-debug-zero2.json")
+GOLDEN_STEPS = 30  # steps held to the golden losses (see test_golden_losses)
 
 
 @pytest.fixture(scope="session")
@@ -38,17 +39,18 @@ def test_zero_stages_agree(stage_runs, model):
     """Same seed, same data: ZeRO 1/2/3 differ only in where states live, so the losses match."""
     losses = {s: np.array([r["loss"] for r in read_metrics(stage_runs[model, s])]) for s in STAGES}
     np.testing.assert_array_equal(losses[1], losses[2])  # same reduction order: bitwise
-    # ZeRO-3 reduces in another order: differences of one fp32 rounding (~5e-8 relative, measured) appear
-    # within a few steps. Adam's normalised updates later amplify them (measured on the debug ViT: 1e-5 by
-    # step 40, 2e-3 to 3e-2 by steps 70-100, depending on the data order), so only the first 20 steps are
-    # held to 1e-6; later steps are checked through test_loss_decreases.
+    # ZeRO-3 reduces in another order: differences of one fp32 rounding appear within a few steps, and Adam's
+    # normalised updates amplify them over tens of steps, so only the first 20 steps are held to 1e-6; later
+    # steps are checked through test_loss_decreases.
     np.testing.assert_allclose(losses[3][:20], losses[1][:20], rtol=1e-6)
 
 
 def test_golden_losses(stage_runs):
     """Catches a silent change of the numerics (init, data order, schedule) against a stored run.
 
-    Regenerate with UPDATE_GOLDEN=1 after a deliberate change.
+    The first GOLDEN_STEPS steps are compared: later ones depend on the CPU's fp32 kernels (matmul rounding
+    differs between CPU families, and Adam's normalised updates amplify it over tens of steps), and
+    test_loss_decreases checks the rest. Regenerate with UPDATE_GOLDEN=1 after a deliberate change.
     """
     losses = [r["loss"] for r in read_metrics(stage_runs["vit-debug", 2])]
     if os.environ.get("UPDATE_GOLDEN"):
@@ -57,7 +59,8 @@ def test_golden_losses(stage_runs):
             json.dump({"losses": losses}, f)
     with open(GOLDEN) as f:
         golden = json.load(f)["losses"]
-    np.testing.assert_allclose(losses, golden, rtol=1e-4)
+    assert len(losses) == len(golden)
+    np.testing.assert_allclose(losses[:GOLDEN_STEPS], golden[:GOLDEN_STEPS], rtol=1e-4)
 
 
 def test_run_directory(stage_runs):

@@ -1,0 +1,180 @@
+"""Every use of a private DeepSpeed or torch API, and every patch of one: the only place they live.
+
+Each function checks the installed version it was written against and, on any other, stops with a message
+naming itself and both versions. After a pin moves, run tests/test_compat.py (one test per behaviour relied
+on here), fix what fails, then widen the version the function accepts.
+"""
+import contextlib
+import os
+
+import torch
+
+DEEPSPEED_SERIES = "0.19."  # requirements.txt: deepspeed==0.19.8
+TORCH_SERIES = "2.13."  # requirements.txt: torch==2.13.0
+
+
+# torch collectives DeepSpeed's ZeRO calls that torch has deprecated
+DEEPSPEED_DEPRECATED_COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor")
+
+
+class CompatError(RuntimeError):
+    """A private API used here is unchecked against the installed version."""
+
+
+def _require(package: str, series: str, function: str):
+    if package == "torch":
+        version = torch.__version__
+    else:
+        import deepspeed
+
+        version = deepspeed.__version__
+    if not version.startswith(series):
+        raise CompatError(f"engine/compat.py:{function} relies on {package} {series}x internals and the installed "
+                          f"{package} is {version}: run tests/test_compat.py, adapt {function}, then accept {version}")
+
+
+# ----------------------------------------------------------------------------- DeepSpeed's CPU communication
+def deepspeed_shm_name(rank: int) -> str:
+    """Path of the /dev/shm buffer DeepSpeed's CPU shared-memory all-reduce creates for `rank`."""
+    _require("deepspeed", DEEPSPEED_SERIES, "deepspeed_shm_name")
+    return (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+
+
+def release_deepspeed_shm(rank: int) -> bool:
+    """Unlink this rank's shared-memory all-reduce buffer; call after a barrier that follows
+    `deepspeed.init_distributed()`. True if there was one.
+
+    DeepSpeed creates one buffer of tens of MB per rank in RAM-backed /dev/shm and never unlinks it, so they
+    accumulate run after run until /dev/shm is full (docs/troubleshooting.md). After the barrier every rank
+    has mapped every other rank's buffer: the mappings stay valid without the names, and the memory is freed
+    when the processes end, crashed or not.
+    """
+    try:
+        os.unlink(deepspeed_shm_name(rank))
+        return True
+    except FileNotFoundError:  # not every rank on one host, or not DeepSpeed's CPU accelerator: no buffer
+        return False
+
+
+def quiet_deepspeed_deprecations():
+    """Hide the FutureWarnings torch raises each time DeepSpeed calls its deprecated collectives (every rank,
+    every ZeRO-3 step); they concern DeepSpeed's code, and nothing in a run can act on them."""
+    _require("deepspeed", DEEPSPEED_SERIES, "quiet_deepspeed_deprecations")
+    import warnings
+
+    for name in DEEPSPEED_DEPRECATED_COLLECTIVES:
+        warnings.filterwarnings("ignore", message=rf"`torch\.distributed\.{name}` is deprecated", category=FutureWarning)
+
+
+# ----------------------------------------------------------------------------- linear layers under ZeRO-3
+def torch_linear():
+    """torch's own `linear` (the aten op), whatever DeepSpeed has made of `torch.nn.functional.linear`."""
+    _require("torch", TORCH_SERIES, "torch_linear")
+    return torch._C._nn.linear
+
+
+@contextlib.contextmanager
+def functional_linear_is_torchs():
+    """Run a block with `torch.nn.functional.linear` set back to torch's own for its duration.
+
+    An earlier ZeRO-3 engine in the process leaves DeepSpeed's linear installed process-wide, and DeepSpeed's
+    saves its inputs after its matmul where torch's saves them before: a profile of what a checkpointed block
+    saves, and where its recompute stops, must see torch's.
+    """
+    saved, torch.nn.functional.linear = torch.nn.functional.linear, torch_linear()
+    try:
+        yield
+    finally:
+        torch.nn.functional.linear = saved
+
+
+def use_torch_linear(linear: torch.nn.Linear):
+    """Make this one `nn.Linear` call torch's linear instead of DeepSpeed's ZeRO-3 autograd function.
+
+    A checkpoint's recompute stops once it has rebuilt every tensor the backward needs. torch's matmul saves its
+    inputs before it runs, so a block's recompute stops short of its last matmul; DeepSpeed's function saves
+    them after its forward, so the recompute would run that matmul too. DeepSpeed's function exists to keep
+    gathered weights out of the saved tensors, and a checkpointed block saves only its input and (selective)
+    matmul outputs, so inside one it is not needed (docs/activation_checkpointing.md).
+    """
+    native = torch_linear()
+
+    def forward(input):
+        return native(input, linear.weight, linear.bias)
+
+    linear.forward = forward
+
+
+def _zero3_linear(input, weight, bias=None):
+    """DeepSpeed's ZeRO-3 linear, always on its out-of-place `addmm` path.
+
+    For inputs of more than 2 dimensions DeepSpeed's function adds the bias in place into the matmul output;
+    selective checkpointing keeps that output, so its recompute would add the bias a second time. Flattened to
+    2-D, the input takes DeepSpeed's `torch.addmm(bias, input, weight.t())` branch.
+    """
+    from deepspeed.runtime.zero.linear import LinearFunctionForZeroStage3
+
+    if input.dim() == 2 or bias is None:
+        return LinearFunctionForZeroStage3.apply(input, weight, bias)
+    out = LinearFunctionForZeroStage3.apply(input.reshape(-1, input.shape[-1]), weight, bias)
+    return out.view(*input.shape[:-1], out.shape[-1])
+
+
+def make_zero3_linear_out_of_place() -> bool:
+    """Replace the `torch.nn.functional.linear` that `deepspeed.initialize` installs for ZeRO-3 with
+    `_zero3_linear`; True if DeepSpeed's was installed."""
+    _require("deepspeed", DEEPSPEED_SERIES, "make_zero3_linear_out_of_place")
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+
+    if torch.nn.functional.linear is zero3_linear_wrap:
+        torch.nn.functional.linear = _zero3_linear
+        return True
+    return False
+
+
+def zero3_gathered_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the module's ZeRO-3 parameters that are gathered whole on this rank (or being gathered);
+    0 for parameters ZeRO-3 does not manage."""
+    _require("deepspeed", DEEPSPEED_SERIES, "zero3_gathered_bytes")
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return sum(p.ds_numel * p.element_size() for p in module.parameters()
+               if getattr(p, "ds_status", ZeroParamStatus.NOT_AVAILABLE) != ZeroParamStatus.NOT_AVAILABLE)
+
+
+# ----------------------------------------------------------------------------- FLOP counting
+# The CPU flash-attention kernels and the GPU ones they stand in for: same leading arguments (query, key,
+# value; the backward: grad_out first), same work.
+_CPU_ATTENTION_AS_GPU = (("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention"),
+                         ("_scaled_dot_product_flash_attention_for_cpu_backward",
+                          "_scaled_dot_product_flash_attention_backward"))
+
+
+def _flop_registry() -> dict:
+    """torch's table of FLOP formulas, with the CPU flash-attention kernels counted as the GPU ones.
+
+    torch's counter has no formula for the CPU kernels: without one, CPU FLOP counts (the checkpointing
+    profile's, the recompute's, the benchmarks' MFU) would leave attention out.
+    """
+    from torch.utils.flop_counter import flop_registry
+
+    for cpu, gpu in _CPU_ATTENTION_AS_GPU:
+        flop_registry.setdefault(getattr(torch.ops.aten, cpu), flop_registry[getattr(torch.ops.aten, gpu)])
+    return flop_registry
+
+
+def flop_counter():
+    """torch's FlopCounterMode, with attention counted on CPU as on GPU."""
+    _require("torch", TORCH_SERIES, "flop_counter")
+    from torch.utils.flop_counter import FlopCounterMode
+
+    _flop_registry()
+    return FlopCounterMode(display=False)
+
+
+def flop_count(func, args, kwargs, out) -> int:
+    """FLOPs of one dispatched op by torch's formulas (0 for ops without one), attention on CPU included."""
+    _require("torch", TORCH_SERIES, "flop_count")
+    count = _flop_registry().get(func._overloadpacket)
+    return count(*args, **kwargs, out_val=out) if count else 0

@@ -1,0 +1,109 @@
+"""The DeepSpeed config of a run: a JSON template from ds_configs/ with its "auto" fields filled from the run
+config; an explicit template value that disagrees with the run config is an error naming both."""
+import json
+import math
+import os
+
+import torch
+
+from config import Config, ConfigError
+
+DS_CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ds_configs")
+ADAM_EPS = 1e-8
+# Bucket sizes follow Hugging Face's DeepSpeed integration, derived from the model's hidden size h: DeepSpeed's
+# own defaults (5e8 elements, 2 GB in fp32) are sized for large language models.
+MIN_BUCKET_ELEMENTS = 2**20  # a floor, so that small models do not pay one collective per tensor
+PREFETCH_FRACTION = 0.9  # stage3_prefetch_bucket_size = 0.9 * h^2
+PERSISTENCE_PER_HIDDEN = 10  # parameters below 10 * h elements stay gathered (biases, norms)
+BLOCK_PARAMS_PER_HIDDEN_SQ = 12  # a transformer block holds ~12 h^2 parameters (attention 4 h^2, MLP 8 h^2)
+
+
+def resolve_precision(precision: str) -> str:
+    """fp32 | bf16 | fp16 for the `precision` key; `auto` is bf16 on GPUs that support it, fp32 elsewhere."""
+    if precision == "fp16" and not torch.cuda.is_available():
+        raise ConfigError("precision fp16 needs a GPU: DeepSpeed's CPU accelerator has no fp16; use fp32 or bf16")
+    if precision != "auto":
+        return precision
+    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
+
+
+def _fill(ds: dict, path: str, value, where: str):
+    """Set ds[path] when it is "auto" or absent; a different explicit value is a contradiction."""
+    *parents, leaf = path.split(".")
+    node = ds
+    for key in parents:
+        node = node.setdefault(key, {})
+    current = node.get(leaf, "auto")
+    if current == "auto":
+        node[leaf] = value
+    elif current != value and not (isinstance(value, float) and isinstance(current, (int, float))
+                                   and math.isclose(current, value)):
+        raise ConfigError(f"{where} sets {path} = {current!r} but the run config implies {value!r}: "
+                          f"make them agree or set it to \"auto\"")
+
+
+def _walk(d: dict, prefix=""):
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from _walk(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+def build_ds_config(cfg: Config, hidden_size: int, world_size: int, precision: str) -> dict:
+    """The DeepSpeed config for this run: the template's explicit values win only where they agree."""
+    path = cfg.ds_config or os.path.join(DS_CONFIG_DIR, f"zero{cfg.zero_stage}.json")
+    try:
+        with open(path) as f:
+            ds = json.load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read ds_config '{path}': {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"ds_config '{path}' is not valid JSON: {e}") from None
+    where = f"ds_config '{os.path.relpath(path)}'"
+    if "scheduler" in ds:
+        raise ConfigError(f"{where} has a 'scheduler': the schedule comes from warmup_steps, max_steps, lr and "
+                          f"min_lr; remove it")
+
+    global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * world_size
+    if ds.get("train_batch_size", "auto") not in ("auto", global_batch):
+        raise ConfigError(f"{where} sets train_batch_size = {ds['train_batch_size']} but micro_batch_size x "
+                          f"grad_accum_steps x world size = {cfg.micro_batch_size} x {cfg.grad_accum_steps} x "
+                          f"{world_size} = {global_batch}")
+    _fill(ds, "train_batch_size", global_batch, where)
+    _fill(ds, "train_micro_batch_size_per_gpu", cfg.micro_batch_size, where)
+    _fill(ds, "gradient_accumulation_steps", cfg.grad_accum_steps, where)
+    _fill(ds, "gradient_clipping", cfg.grad_clip, where)
+    _fill(ds, "zero_optimization.stage", cfg.zero_stage, where)
+    _fill(ds, "bf16.enabled", precision == "bf16", where)
+    _fill(ds, "fp16.enabled", precision == "fp16", where)
+    ds.setdefault("optimizer", {"type": "AdamW", "params": {}})
+    _fill(ds, "optimizer.params.lr", cfg.lr, where)
+    _fill(ds, "optimizer.params.betas", [cfg.beta1, cfg.beta2], where)
+    _fill(ds, "optimizer.params.eps", ADAM_EPS, where)
+    _fill(ds, "optimizer.params.weight_decay", cfg.weight_decay, where)
+    # torch's AdamW, not DeepSpeed's FusedAdam: the same update, the optimizer the FSDP2 baseline runs (so a
+    # benchmark compares the sharding, not the optimizer kernels), and no JIT build of a C++/CUDA op at start
+    ds["optimizer"]["params"].setdefault("torch_adam", True)
+
+    zero = ds["zero_optimization"]
+    bucket = max(hidden_size * hidden_size, MIN_BUCKET_ELEMENTS)
+    block = BLOCK_PARAMS_PER_HIDDEN_SQ * hidden_size * hidden_size
+    auto_sizes = {
+        "reduce_bucket_size": bucket,
+        "allgather_bucket_size": bucket,
+        "stage3_prefetch_bucket_size": int(PREFETCH_FRACTION * bucket),
+        "stage3_param_persistence_threshold": PERSISTENCE_PER_HIDDEN * hidden_size,
+        # DeepSpeed's defaults (1e9 elements) keep every gathered parameter from its forward to its backward, a
+        # whole unsharded model per rank; two blocks' worth lets a block's weights go after its forward, and a
+        # checkpointed block's recompute runs inside its backward, after the block's own gather
+        "stage3_max_live_parameters": 2 * block,
+        "stage3_max_reuse_distance": block,
+    }
+    for key, value in auto_sizes.items():
+        if zero.get(key) == "auto":
+            zero[key] = value
+    leftover = [k for k, v in _walk(ds) if v == "auto"]
+    if leftover:
+        raise ConfigError(f"{where} has \"auto\" fields this trainer cannot fill: {', '.join(leftover)}")
+    return ds

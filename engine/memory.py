@@ -1,0 +1,153 @@
+"""Per-rank memory: what ZeRO holds beside the activations (the planner's accounting), and how much a step
+allocated on CPU, where torch keeps no allocator statistics (the profiler's memory events)."""
+import contextlib
+import json
+import os
+import resource
+import sys
+import tempfile
+
+import torch
+
+# kineto logs a line at every profiler start and stop unless its log level is above them
+KINETO_QUIET_LEVEL = "6"
+# c10's CPU allocator warns (once per process) when a block allocated before the profiler started is freed
+# under it; a profiled training step always frees such blocks, and the peak counts only what it allocates
+ALLOCATOR_WARNING = "Memory block of unknown size was allocated before the profiling started"
+
+
+def zero_memory_bytes(n_params: int, zero_stage: int, world_size: int, precision: str, ds_config: dict) -> dict:
+    """Per-rank bytes that do not depend on the batch, at the two moments that set a step's peak.
+
+    ZeRO's accounting (Rajbhandari et al. 2020) with what DeepSpeed allocates when, read off the profiler's
+    allocation events of training steps under each stage (docs/planner.md):
+    - `backward`, when the backward starts and the activations peak: the weights (whole under ZeRO-1/2, a
+      partition under ZeRO-3), the fp32 master partition (kept in fp32 training too) and AdamW's two fp32
+      moments. ZeRO-3 also holds its gradient partition (allocated at initialisation), its prefetch bucket and
+      gathered weights, counted as `stage3_max_live_parameters`: the forward ends holding about the last half
+      reuse distance of them, and the backward's gathers, gradients and reduce-scatter copies add about as
+      much again at its peak. ZeRO-2 holds its gradient partition from its first reduction on, which for the
+      rank owning the last layers is the start of the backward. ZeRO-1 reduces at the end of the backward,
+      when the activations are freed.
+    - `optimizer_step`, which peaks in AdamW's update: the weights and states as above, the flat fp32 gradient
+      partition DeepSpeed hands the optimizer, AdamW's two whole-partition temporaries (DeepSpeed flattens the
+      partition into one tensor) and, under ZeRO-1, the reduced gradient partition, which ZeRO-2 and 3 hold
+      already.
+    """
+    weight = grad = 2 if precision in ("bf16", "fp16") else 4
+    n, part = n_params, n_params / world_size
+    zero = ds_config.get("zero_optimization", {})
+    states = 12 * part  # fp32 master partition and AdamW's exp_avg, exp_avg_sq
+    if zero_stage == 3:
+        live = min(zero.get("stage3_max_live_parameters", n), n)
+        if zero.get("stage3_max_reuse_distance", 0) >= n:
+            live = n
+        held = weight * (part + min(zero.get("stage3_prefetch_bucket_size", 0), n) + live) + states + grad * part
+    else:
+        held = weight * n + states
+        if zero_stage == 2:
+            held += grad * part
+        elif ds_config.get("gradient_accumulation_steps", 1) > 1:  # ZeRO-1 keeps gradients between micro-batches
+            held += grad * n
+    temporaries = 4 if zero_stage == 1 else 3  # fp32 gradient partitions and AdamW's temporaries
+    return {"backward": int(held), "optimizer_step": int(held + temporaries * 4 * part)}
+
+
+def peak_memory_bytes() -> int:
+    """GPU: the allocator's peak. CPU: the process's peak resident set (no allocator statistics there)."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@contextlib.contextmanager
+def _stderr_without(text: str):
+    """Hold what this process writes to file descriptor 2 (C++ logging included) and pass on every line but
+    those containing `text`."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            for line in held.read().decode(errors="replace").splitlines(keepends=True):
+                if text not in line:
+                    sys.stderr.write(line)
+            sys.stderr.flush()
+
+
+@contextlib.contextmanager
+def memory_profiler():
+    """torch's CPU profiler recording memory events, without the log lines it prints at every start and stop
+    and the allocator's warning about blocks allocated before it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET_LEVEL)  # read when the profiler first starts
+    with _stderr_without(ALLOCATOR_WARNING), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        yield prof
+
+
+def trace_events(prof) -> list:
+    """The events of a finished profiler run, as its chrome trace lists them."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        with open(f.name) as trace:
+            return json.load(trace)["traceEvents"]
+
+
+def allocation_curve(events: list) -> list[tuple[float, int]]:
+    """(time, bytes allocated) before the first and after each of a CPU profiler run's "[memory]" events, in
+    time order: the CPU counterpart of torch.cuda.memory_allocated().
+
+    The events' own running "Total Allocated" is not used: a free on a thread the profiler is not active on
+    is neither recorded nor taken off that count, and gloo's worker threads drop the last reference to a
+    finished asynchronous collective's tensors (ZeRO-3's gathers, FSDP2's all-gathers). A block the trace still
+    holds whose address is allocated again was freed unseen, so it is dropped then, the latest moment it can
+    have been freed; a block freed unseen and never reused stays counted, so the curve is never below the
+    real one (docs/benchmarks.md).
+    """
+    memory = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
+    if not memory:
+        return []
+    allocated = memory[0]["args"]["Total Allocated"] - memory[0]["args"]["Bytes"]  # from before the profiler
+    live, curve = {}, [(memory[0]["ts"], allocated)]
+    for e in memory:
+        address, size = e["args"]["Addr"], e["args"]["Bytes"]
+        if size > 0:
+            allocated += size - live.pop(address, 0)
+            live[address] = size
+        else:
+            allocated -= live.pop(address, -size)
+        curve.append((e["ts"], allocated))
+    return curve
+
+
+def memory_trace(prof) -> tuple[int, int, int]:
+    """(allocated before, peak, allocated after) from a CPU profiler run with profile_memory=True."""
+    curve = allocation_curve(trace_events(prof))
+    if not curve:
+        return 0, 0, 0
+    return curve[0][1], max(v for _, v in curve), curve[-1][1]
+
+
+def measure_activation_bytes(model, images: torch.Tensor) -> int:
+    """Bytes a training forward leaves allocated for the backward (activations plus the logits), measured:
+    the caching allocator's count on GPU, the profiler's memory events on CPU."""
+    if images.is_cuda:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        out = model(images).logits
+        torch.cuda.synchronize()
+        retained = torch.cuda.memory_allocated() - before
+        del out
+        return retained
+    with memory_profiler() as prof:
+        out = model(images).logits
+    before, _, after = memory_trace(prof)
+    del out
+    return after - before

@@ -1,0 +1,109 @@
+"""Turn an unmodified Hugging Face model into a DeepSpeed engine: the one place a model is wrapped.
+
+`build_engine` is what train.py, the benchmark worker and the equivalence tests call; `parallelize` applies,
+in this order, activation checkpointing, ZeRO and torch.compile.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from config import Config
+from engine import compat
+from engine.ds_config import build_ds_config, resolve_precision
+from engine.memory import zero_memory_bytes
+from engine.optim import lr_schedule, param_groups
+from models.blocks import find_blocks
+from models.checkpointing import apply_activation_checkpointing
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Built:
+    engine: object  # deepspeed.DeepSpeedEngine: the model, its optimizer and its LR schedule
+    ac_plan: dict  # what activation checkpointing applied, with its profile (ac_plan.json)
+    ds_config: dict  # the resolved DeepSpeed config (ds_config.json)
+    precision: str  # fp32 | bf16 | fp16
+    dtype: torch.dtype  # what the model's inputs are cast to
+
+
+def engine_config(cfg: Config, hidden_size: int, world_size: int) -> tuple[str, dict]:
+    """(precision, DeepSpeed config) of a run; raises ConfigError on contradictions, before anything runs."""
+    precision = resolve_precision(cfg.precision)
+    return precision, build_ds_config(cfg, hidden_size, world_size, precision)
+
+
+def profile_batch(cfg: Config) -> torch.Tensor:
+    """Random images of the run's shape from the seed: the activation-checkpointing profile reads no training
+    data, so the data order stays exact."""
+    return torch.randn(cfg.micro_batch_size, 3, cfg.image_size, cfg.image_size,
+                       generator=torch.Generator().manual_seed(cfg.seed))
+
+
+def build_engine(model: torch.nn.Module, cfg: Config, world_size: int, device_type: str, log=print) -> Built:
+    """Wrap a freshly built model for training under `cfg`: train.py's path, and every benchmark's."""
+    precision, ds_config = engine_config(cfg, model.config.hidden_size, world_size)
+    engine, ac_plan = parallelize(model, cfg, ds_config, profile_batch(cfg), world_size, precision, device_type,
+                                  log)
+    return Built(engine, ac_plan, ds_config, precision, DTYPES[precision])
+
+
+def parallelize(model: torch.nn.Module, cfg: Config, ds_config: dict, profile_images: torch.Tensor,
+                world_size: int, precision: str, device_type: str, log=print):
+    """(DeepSpeed engine, activation-checkpointing plan).
+
+    The order is fixed: checkpointing wraps the bare blocks (it profiles the model as defined), ZeRO then hooks
+    whatever the blocks have become, and torch.compile traces the model with ZeRO's hooks in place.
+    """
+    ac_plan = apply_ac(model, cfg, ds_config, profile_images, world_size, precision, device_type, log)
+    engine = apply_zero(model, cfg, ds_config, ac_plan)
+    apply_compile(engine, cfg, log)
+    return engine, ac_plan
+
+
+def apply_ac(model, cfg, ds_config, profile_images, world_size, precision, device_type, log) -> dict:
+    """Activation checkpointing per `cfg.ac`; `auto` budgets the activations against what ZeRO holds."""
+    fixed = zero_memory_bytes(sum(p.numel() for p in model.parameters()), cfg.zero_stage, world_size, precision,
+                              ds_config)
+    return apply_activation_checkpointing(model, cfg.ac, device_type, profile_images, fixed, log)
+
+
+def apply_zero(model, cfg, ds_config, ac_plan):
+    """`deepspeed.initialize` with AdamW's parameter groups and the LR schedule.
+
+    Under ZeRO-3 every transformer block is a leaf module (DeepSpeed's own switch): its weights are gathered
+    and released once per block, with the hooks on the block, outside its checkpoint. A recompute then
+    gathers nothing again, and torch's selective checkpointing, which requires the recompute to replay the
+    forward's ops exactly, never sees a gather (docs/activation_checkpointing.md).
+    """
+    import deepspeed
+    from deepspeed.utils import set_z3_leaf_module
+
+    if cfg.zero_stage == 3:
+        for block in find_blocks(model):
+            set_z3_leaf_module(block.module, True)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=param_groups(model, cfg.weight_decay),
+        config=ds_config,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_schedule(cfg)),
+    )
+    if engine.zero_optimization_partition_weights():
+        compat.make_zero3_linear_out_of_place()
+        recomputed = {b["name"] for b in ac_plan["blocks"] if b["policy"] in ("full", "selective")}
+        for name, block in model.named_modules():
+            if name in recomputed:
+                for module in block.modules():
+                    if isinstance(module, torch.nn.Linear):
+                        compat.use_torch_linear(module)
+    return engine
+
+
+def apply_compile(engine, cfg, log):
+    """torch.compile through DeepSpeed's `engine.compile()`, which compiles the module with its ZeRO hooks in
+    place (ZeRO-3's break the graph around each block's gather; checkpointed blocks trace through)."""
+    if not cfg.compile:
+        return
+    engine.compile()
+    log("compile: the model is compiled by torch.compile, through DeepSpeed's engine.compile(); the first "
+        "steps are slow while it compiles" if engine.is_compiled else "compile: DeepSpeed did not compile the model")

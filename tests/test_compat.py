@@ -1,0 +1,107 @@
+"""engine/compat.py: the DeepSpeed and torch behaviours it relies on, and its version checks.
+
+The behaviours that need real DeepSpeed processes are checked where those already run: the shared-memory
+buffer's name and DeepSpeed's process-wide ZeRO-3 linear in tests/ac_equivalence.py (every policy under
+ZeRO 1-3), the gathered-weight count in the cpu-smoke benchmark (tests/test_benchmarks.py).
+"""
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from engine import compat
+
+
+class OpLog(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func._overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("function, args", [
+    (compat.deepspeed_shm_name, (0,)), (compat.make_zero3_linear_out_of_place, ()),
+    (compat.zero3_gathered_bytes, (torch.nn.Linear(2, 2),)), (compat.torch_linear, ()),
+    (compat.flop_counter, ()), (compat.flop_count, (None, (), {}, None))])
+def test_each_function_refuses_another_version(monkeypatch, function, args):
+    monkeypatch.setattr(compat, "DEEPSPEED_SERIES", "0.0.")
+    monkeypatch.setattr(compat, "TORCH_SERIES", "0.0.")
+    with pytest.raises(compat.CompatError, match=rf"compat.py:{function.__name__} relies on (torch|deepspeed) "
+                                                 rf"0\.0\.x internals and the installed .* is \d"):
+        function(*args)
+
+
+def test_pins_are_the_checked_versions():
+    import deepspeed
+
+    assert torch.__version__.startswith(compat.TORCH_SERIES)
+    assert deepspeed.__version__.startswith(compat.DEEPSPEED_SERIES)
+
+
+def test_torch_linear_is_the_functional_linear_of_a_fresh_process():
+    """What `use_torch_linear` and `functional_linear_is_torchs` put back is torch's own `F.linear`."""
+    code = ("import torch, torch.nn.functional as F; from engine import compat; "
+            "print(compat.torch_linear() is F.linear)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"
+
+
+def test_use_torch_linear_keeps_the_numbers_and_restores_no_global():
+    layer = torch.nn.Linear(8, 4)
+    x = torch.randn(3, 5, 8)
+    expected = layer(x)
+    compat.use_torch_linear(layer)
+    assert torch.equal(layer(x), expected)
+    with compat.functional_linear_is_torchs():
+        torch.nn.functional.linear = None  # whatever happens inside, the previous one comes back
+    assert torch.nn.functional.linear is compat.torch_linear()
+
+
+def test_deepspeed_zero3_linear_adds_its_bias_in_place_on_3d_inputs():
+    """DeepSpeed's ZeRO-3 linear adds the bias in place into its matmul output for inputs of more than 2
+    dimensions (what `_zero3_linear` avoids); for 2-D inputs it runs one out-of-place addmm, which
+    `_zero3_linear` flattens to. If DeepSpeed changes either, this fails and the workaround can be revisited."""
+    from deepspeed.runtime.zero.linear import LinearFunctionForZeroStage3
+
+    x, w, b = torch.randn(2, 3, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True), torch.randn(4)
+    with OpLog() as theirs:
+        LinearFunctionForZeroStage3.apply(x, w, b)
+    assert "add_" in theirs.ops
+    with OpLog() as ours:
+        out = compat._zero3_linear(x, w, b)
+    assert "addmm" in ours.ops and "add_" not in ours.ops
+    expected = torch.nn.functional.linear(x, w, b)
+    assert torch.allclose(out, expected, atol=1e-6)
+    grads = torch.autograd.grad(out.sum(), (x, w))
+    assert all(torch.allclose(g, e, atol=1e-5) for g, e in zip(grads, torch.autograd.grad(expected.sum(), (x, w))))
+
+
+def test_flop_counter_counts_cpu_attention():
+    """torch's counter has no formula for the CPU flash-attention kernel SDPA runs on; compat's counts it as
+    the GPU kernel: 2 matmuls of 2*B*H*N*N*D FLOPs."""
+    b, h, n, d = 2, 3, 16, 8
+    q, k, v = (torch.randn(b, h, n, d) for _ in range(3))
+    with OpLog() as log:
+        torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert "_scaled_dot_product_flash_attention_for_cpu" in log.ops
+    with compat.flop_counter() as counter:
+        torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert counter.get_total_flops() == 2 * 2 * b * h * n * n * d
+
+
+def test_deepspeed_calls_the_deprecated_collectives_it_quiets():
+    """The warnings `quiet_deepspeed_deprecations` hides are torch's for collectives DeepSpeed's ZeRO calls."""
+    import importlib
+    import inspect
+
+    theirs = inspect.getsource(importlib.import_module("deepspeed.comm.torch"))
+    torchs = inspect.getsource(torch.distributed.distributed_c10d)
+    for name in compat.DEEPSPEED_DEPRECATED_COLLECTIVES:
+        assert f"torch.distributed.{name}" in theirs, name
+        assert f"`torch.distributed.{name}` is deprecated" in torchs, name
