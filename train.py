@@ -46,6 +46,9 @@ def check_run(cfg: Config, world_size: int, rank: int):
     hidden = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size).hidden_size
     engine_config(cfg, hidden, world_size)  # a DeepSpeed JSON that contradicts the run config raises here
     check_policy(cfg.ac, "cuda" if torch.cuda.is_available() else "cpu")
+    if cfg.warmup_steps >= cfg.max_steps and rank == 0:  # a short debug run may mean it; say what it does
+        print(f"warning: warmup_steps {cfg.warmup_steps} >= max_steps {cfg.max_steps}: the learning rate rises "
+              f"for the whole run and peaks at {cfg.max_steps / cfg.warmup_steps:.3g} x lr", file=sys.stderr)
 
     ckpt_dir = os.path.join(cfg.output_dir, "checkpoints")
     if cfg.resume not in ("", "latest") and not os.path.isdir(cfg.resume):
@@ -217,7 +220,8 @@ def main(argv=None):
 
         writer = SummaryWriter(os.path.join(cfg.output_dir, "tb"), purge_step=start_step + 1)
         print(f"{cfg.model}: {n_params / 1e6:.2f}M params | ZeRO-{cfg.zero_stage} | {precision} | "
-              f"world size {world_size} ({device.type}) | global batch {images_per_step} = {cfg.micro_batch_size} "
+              f"world size {world_size} ({world_size // local_world} node(s) x {local_world}, {device.type}, "
+              f"{torch.get_num_threads()} threads per rank) | global batch {images_per_step} = {cfg.micro_batch_size} "
               f"micro x {cfg.grad_accum_steps} accum x {world_size} ranks | steps {start_step}->{cfg.max_steps} | "
               f"data {cfg.data_mode}" + (f", {per_epoch // cfg.grad_accum_steps} steps per epoch" if per_epoch else ""))
 

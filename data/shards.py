@@ -37,18 +37,27 @@ def is_remote(url: str) -> bool:
 
 
 def _fetch_info(first_url: str):
-    """The `_info.json` beside a shard (local or http), or None."""
+    """The `_info.json` beside a shard (local or http), or None when there is none; one that exists but does not
+    parse is a DataError (a truncated copy would otherwise be ignored without a word)."""
     if first_url.startswith("pipe:"):
         return None
     path = first_url.rsplit("/", 1)[0] + "/_info.json" if "/" in first_url else "_info.json"
     try:
         if first_url.startswith(("http://", "https://")):
             with urllib.request.urlopen(path, timeout=30) as r:
-                return json.load(r)
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError, urllib.error.URLError):
+                text = r.read()
+        else:
+            with open(path, "rb") as f:
+                text = f.read()
+    except (OSError, urllib.error.URLError):
         return None
+    try:
+        info = json.loads(text)
+    except ValueError as e:
+        raise DataError(f"{path} is not valid JSON ({e}): rewrite it with data/make_shards.py or remove it") from None
+    if not isinstance(info, dict):
+        raise DataError(f"{path} must hold a JSON object, as data/make_shards.py writes it")
+    return info
 
 
 def _check_urls(urls: list, spec: str, what: str):

@@ -45,9 +45,11 @@ def model_config(name: str, num_labels: int, image_size: int, patch_size: int = 
                       label2id={n: i for i, n in enumerate(labels)})
     if name in VIT_SIZES:
         hidden, depth, heads, mlp, patch = VIT_SIZES[name]
-        return ViTConfig(hidden_size=hidden, num_hidden_layers=depth, num_attention_heads=heads,
-                         intermediate_size=mlp, image_size=image_size, patch_size=patch_size or patch,
-                         **label_args)
+        config = ViTConfig(hidden_size=hidden, num_hidden_layers=depth, num_attention_heads=heads,
+                           intermediate_size=mlp, image_size=image_size, patch_size=patch_size or patch,
+                           **label_args)
+        _check_vit_patches(config)
+        return config
     if name in SWIN_SIZES:
         dim, depths, heads, window, patch = SWIN_SIZES[name]
         config = SwinConfig(embed_dim=dim, depths=list(depths), num_heads=list(heads), window_size=window,
@@ -61,9 +63,21 @@ def model_config(name: str, num_labels: int, image_size: int, patch_size: int = 
         config = AutoConfig.from_pretrained(name, **overrides)
         if config.model_type == "swin":
             _check_swin_stages(config)
+        elif config.model_type == "vit":
+            _check_vit_patches(config)
         return config
     raise ValueError(f"unknown model '{name}': not a registry name ({', '.join(NAMES)}) "
                      f"nor a local directory holding config.json")
+
+
+def _check_vit_patches(config):
+    """ViT's patch embedding is a strided convolution: it silently drops the pixels past the last whole patch."""
+    left = config.image_size % config.patch_size
+    if left:
+        lower = config.image_size - left
+        raise ValueError(f"image_size {config.image_size} is not a multiple of patch_size {config.patch_size}: the "
+                         f"last {left} pixel row(s) and column(s) would be dropped; use image_size {lower} or "
+                         f"{lower + config.patch_size}")
 
 
 def _check_swin_stages(config):

@@ -2,7 +2,7 @@
 import json
 
 import pytest
-from conftest import launch
+from conftest import launch, read_metrics
 
 
 def bad_ds_config(tmp_path):
@@ -33,7 +33,22 @@ CASES = {
     "offload on cpu": (lambda t, d: ["--ac", "offload"], "needs a GPU"),
     "fp16 on cpu": (lambda t, d: ["--precision", "fp16"], "precision fp16 needs a GPU"),
     "missing resume checkpoint": (lambda t, d: ["--resume", f"{t}/no-such-checkpoint"], "does not exist"),
+    "image size not a multiple of the patch": (lambda t, d: ["--model", "vit-debug", "--image_size", "15"],
+                                               "image_size 15 is not a multiple of patch_size 2: the last 1 pixel "
+                                               "row(s) and column(s) would be dropped; use image_size 14 or 16"),
+    "truncated _info.json": (lambda t, d: ["--train_shards", truncated_info(t, d)], "_info.json is not valid JSON"),
 }
+
+
+def truncated_info(tmp_path, digits):
+    """The digits train shards copied beside a truncated copy of their _info.json."""
+    import shutil
+
+    copy = tmp_path / "shards"
+    shutil.copytree(digits["dir"], copy)
+    info = (copy / "_info.json").read_text()
+    (copy / "_info.json").write_text(info[: len(info) // 2])
+    return f"{copy}/train-{{000000..000003}}.tar"
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -66,3 +81,13 @@ def test_two_rank_launch_fails_cleanly(debug_args, tmp_path):
     assert proc.returncode != 0
     assert proc.stderr.count("error: unknown model 'nope'") + proc.stdout.count("error: unknown model 'nope'") == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_warmup_past_the_run_is_one_warning(debug_args, tmp_path):
+    """A run shorter than its warm-up trains (a short debug run may mean it) and says what the LR will do."""
+    proc = launch(debug_args + ["--max_steps", "2", "--warmup_steps", "8", "--eval_every", "0", "--output_dir",
+                                tmp_path / "run"], launcher="python")
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning: ")]
+    assert warnings == ["warning: warmup_steps 8 >= max_steps 2: the learning rate rises for the whole run and "
+                        "peaks at 0.25 x lr"]
+    assert read_metrics(tmp_path / "run")[-1]["lr"] == pytest.approx(0.25 * 3e-3)  # DEBUG_ARGS' lr
