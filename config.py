@@ -56,7 +56,7 @@ class Config:
     eval_every: int = 300  # evaluate every N optimizer steps (and always at the end); 0 = only at the end
     save_every: int = 300  # DeepSpeed checkpoint every N optimizer steps (and at the end); 0 = only at the end
     output_dir: str = "runs/digits-vit"  # run directory: config, metrics.jsonl, TensorBoard, checkpoints, hf_model/
-    seed: int = 0  # seeds the model initialisation and the data order
+    seed: int = 0  # seeds the initial weights (per module, the same for any world size) and the data order
     resume: str = ""  # "" = fresh run, "latest" = newest checkpoint in output_dir, or a checkpoint directory
     progress: bool = True  # tqdm progress bar on rank 0
 

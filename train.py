@@ -27,12 +27,17 @@ from data.shards import DataError, parse_spec
 from data.transforms import EvalTransform, TrainTransform, mix_batch
 from engine.distributed import dist_env, exit_distributed, init_distributed
 from engine.memory import memory_profiler, memory_trace, peak_memory_bytes
-from engine.parallelize import build_engine, engine_config
-from models import build_model, model_config
+from engine import compat
+from engine.parallelize import build_engine, build_training_model, engine_config
+from models import model_config
 from models.checkpointing import check_policy
 
 # a resumed run whose data layout changed starts a fresh data order, seeded by the seed and the step
 RESEED_STRIDE = 1_000_003
+
+
+def hidden_size(cfg: Config) -> int:
+    return model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size).hidden_size
 
 
 def check_run(cfg: Config, world_size: int, rank: int):
@@ -43,8 +48,7 @@ def check_run(cfg: Config, world_size: int, rank: int):
     if names is not None and len(names) != cfg.num_labels:
         raise ConfigError(f"num_labels is {cfg.num_labels} but the train shards' _info.json lists {len(names)} classes")
     # an unknown model name raises here, with the list of known ones
-    hidden = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size).hidden_size
-    engine_config(cfg, hidden, world_size)  # a DeepSpeed JSON that contradicts the run config raises here
+    engine_config(cfg, hidden_size(cfg), world_size)  # a DeepSpeed JSON that contradicts the run config raises here
     check_policy(cfg.ac, "cuda" if torch.cuda.is_available() else "cpu")
     if cfg.warmup_steps >= cfg.max_steps and rank == 0:  # a short debug run may mean it; say what it does
         print(f"warning: warmup_steps {cfg.warmup_steps} >= max_steps {cfg.max_steps}: the learning rate rises "
@@ -148,9 +152,11 @@ def main(argv=None):
     ckpt_dir = os.path.join(cfg.output_dir, "checkpoints")
 
     # ------------------------------------------------------------------ model
-    torch.manual_seed(cfg.seed)  # same initial weights on every rank
-    model, processor = build_model(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size, names)
-    n_params = sum(p.numel() for p in model.parameters())
+    # the initial weights come from the seed alone; under ZeRO-3 every parameter is partitioned as it is created,
+    # so no rank holds the whole model
+    model, processor = build_training_model(cfg, engine_config(cfg, hidden_size(cfg), world_size)[1], names)
+    torch.manual_seed(cfg.seed)  # dropout and stochastic depth draw from here, however the model was built
+    n_params = sum(compat.param_numel(p) for p in model.parameters())
     try:  # activation checkpointing, then ZeRO, then torch.compile
         built = build_engine(model, cfg, world_size, device.type, log=print if rank == 0 else lambda *a: None)
     except ConfigError as e:  # an `auto` budget that cannot be met shows only once the model is profiled

@@ -5,7 +5,8 @@
 
 `train_bench.py` launches it; every field of the spec is listed in `Spec`. The job:
   1. starts the profiler (only its memory events matter) before the model exists, builds the model from
-     the seed, wraps it (DeepSpeed: train.py's own `build_engine`), and runs `profiled_steps` steps under it. The peak allocation of those steps
+     the seed and wraps it (DeepSpeed: as train.py does, `build_training_model`, partitioned under ZeRO-3, and
+     `build_engine`), and runs `profiled_steps` steps under it. The peak allocation of those steps
      (checkpointing.allocation_curve) is the rank's peak memory, weights, gradients, optimizer states,
      buffers and activations included; the setup's peak (building and wrapping) is reported beside it. The
      activations are what the last profiled forward left allocated for its backward, less the whole weights
@@ -38,8 +39,8 @@ from engine import compat  # noqa: E402
 from engine.distributed import exit_distributed, init_distributed  # noqa: E402
 from engine.memory import allocation_curve, trace_events  # noqa: E402
 from engine.optim import lr_schedule, param_groups  # noqa: E402
-from engine.parallelize import build_engine  # noqa: E402
-from models import build_model, find_blocks  # noqa: E402
+from engine.parallelize import build_engine, build_training_model, engine_config  # noqa: E402
+from models import build_model, find_blocks, model_config  # noqa: E402
 
 
 @dataclass
@@ -200,9 +201,13 @@ def main():
     profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True) if not cuda \
         else contextlib.nullcontext()
     profiler.__enter__()
-    torch.manual_seed(spec.seed)
-    with record_function("bench/build"):
-        model, _ = build_model(spec.model, spec.num_labels, spec.image_size, spec.patch_size)
+    with record_function("bench/build"):  # DeepSpeed: as train.py builds it (partitioned under ZeRO-3)
+        if spec.engine == "deepspeed":
+            model, _ = build_training_model(cfg, engine_config(cfg, model_config(
+                spec.model, spec.num_labels, spec.image_size, spec.patch_size).hidden_size, world_size)[1])
+        else:
+            model, _ = build_model(spec.model, spec.num_labels, spec.image_size, spec.patch_size, seed=spec.seed)
+    torch.manual_seed(spec.seed)  # dropout and stochastic depth: the same draws under every engine
     with record_function("bench/wrap"):
         step_fn = DeepSpeedStep(model, cfg, world_size) if spec.engine == "deepspeed" \
             else FSDP2Step(model, cfg, spec)

@@ -133,6 +133,25 @@ def make_zero3_linear_out_of_place() -> bool:
     return False
 
 
+def param_numel(p: torch.nn.Parameter) -> int:
+    """Elements of a parameter, whole: a ZeRO-3-partitioned one holds an empty tensor and its full size aside."""
+    _require("deepspeed", DEEPSPEED_SERIES, "param_numel")
+    return getattr(p, "ds_numel", None) or p.numel()
+
+
+def param_ndim(p: torch.nn.Parameter) -> int:
+    """Dimensions of a parameter as defined: a ZeRO-3-partitioned one holds a 1-d tensor and its shape aside."""
+    _require("deepspeed", DEEPSPEED_SERIES, "param_ndim")
+    shape = getattr(p, "ds_shape", None)
+    return len(shape) if shape is not None else p.ndim
+
+
+def is_zero3_partitioned(p: torch.nn.Parameter) -> bool:
+    """Was this parameter created (or converted) by `deepspeed.zero.Init`?"""
+    _require("deepspeed", DEEPSPEED_SERIES, "is_zero3_partitioned")
+    return hasattr(p, "ds_id")
+
+
 def zero3_gathered_bytes(module: torch.nn.Module) -> int:
     """Bytes of the module's ZeRO-3 parameters that are gathered whole on this rank (or being gathered);
     0 for parameters ZeRO-3 does not manage."""

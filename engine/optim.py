@@ -4,6 +4,7 @@ import math
 import torch
 
 from config import Config
+from engine import compat
 
 # parameters AdamW must not decay besides every 0-/1-d tensor (norms, biases); names as timm lists them
 NO_DECAY_NAMES = ("position_embeddings", "cls_token", "mask_token", "absolute_pos_embed", "relative_position_bias_table")
@@ -14,7 +15,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (no_decay if p.ndim <= 1 or any(n in name for n in NO_DECAY_NAMES) else decay).append(p)
+        (no_decay if compat.param_ndim(p) <= 1 or any(n in name for n in NO_DECAY_NAMES) else decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 

@@ -3,6 +3,7 @@
 `build_engine` is what train.py, the benchmark worker and the equivalence tests call; `parallelize` applies,
 in this order, activation checkpointing, ZeRO and torch.compile.
 """
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +13,7 @@ from engine import compat
 from engine.ds_config import build_ds_config, resolve_precision
 from engine.memory import zero_memory_bytes
 from engine.optim import lr_schedule, param_groups
+from models import build_model
 from models.blocks import find_blocks
 from models.checkpointing import apply_activation_checkpointing
 
@@ -40,6 +42,55 @@ def profile_batch(cfg: Config) -> torch.Tensor:
                        generator=torch.Generator().manual_seed(cfg.seed))
 
 
+def build_training_model(cfg: Config, ds_config: dict, class_names=None):
+    """(model, image processor) of a run, initial weights from `cfg.seed` alone.
+
+    Under ZeRO-3 the model is created inside `deepspeed.zero.Init` (transformers does so while a ZeRO-3
+    `HfDeepSpeedConfig` lives): every parameter is partitioned as it is created, and a local directory's
+    weights are loaded into the partitions, so no rank holds the whole model at any moment. Registry weights
+    are initialised module by module with that module's parameters gathered.
+    """
+    args = (cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size, class_names)
+    if ds_config["zero_optimization"]["stage"] != 3:
+        return build_model(*args, seed=cfg.seed)
+    import deepspeed
+    from transformers.integrations import HfDeepSpeedConfig
+
+    hf_zero3 = HfDeepSpeedConfig(ds_config)  # transformers holds it weakly: it must live through the build
+    model, processor = build_model(*args, seed=cfg.seed,
+                                   gathered=lambda params: deepspeed.zero.GatheredParameters(params, modifier_rank=0))
+    whole = [n for n, p in model.named_parameters() if not compat.is_zero3_partitioned(p)]
+    if whole:
+        raise RuntimeError(f"ZeRO-3: {len(whole)} parameters were not created partitioned, e.g. {whole[0]}")
+    del hf_zero3
+    return model, processor
+
+
+@contextlib.contextmanager
+def gathered_module_by_module(model: torch.nn.Module):
+    """Each module's own ZeRO-3 parameters gathered for its forward only: a forward of a partitioned model
+    outside the engine (the checkpointing profile) that never holds the whole model."""
+    import deepspeed
+
+    open_gathers, handles = {}, []
+
+    def gather(module, args):
+        open_gathers[module] = deepspeed.zero.GatheredParameters(list(module.parameters(recurse=False)))
+        open_gathers[module].__enter__()
+
+    def release(module, args, output):
+        open_gathers.pop(module).__exit__(None, None, None)
+
+    for module in model.modules():
+        if next(module.parameters(recurse=False), None) is not None:
+            handles += [module.register_forward_pre_hook(gather), module.register_forward_hook(release)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def build_engine(model: torch.nn.Module, cfg: Config, world_size: int, device_type: str, log=print) -> Built:
     """Wrap a freshly built model for training under `cfg`: train.py's path, and every benchmark's."""
     precision, ds_config = engine_config(cfg, model.config.hidden_size, world_size)
@@ -62,10 +113,13 @@ def parallelize(model: torch.nn.Module, cfg: Config, ds_config: dict, profile_im
 
 
 def apply_ac(model, cfg, ds_config, profile_images, world_size, precision, device_type, log) -> dict:
-    """Activation checkpointing per `cfg.ac`; `auto` budgets the activations against what ZeRO holds."""
-    fixed = zero_memory_bytes(sum(p.numel() for p in model.parameters()), cfg.zero_stage, world_size, precision,
-                              ds_config)
-    return apply_activation_checkpointing(model, cfg.ac, device_type, profile_images, fixed, log)
+    """Activation checkpointing per `cfg.ac`; `auto` budgets the activations against what ZeRO holds. A
+    partitioned model is profiled with one module's weights gathered at a time."""
+    fixed = zero_memory_bytes(sum(compat.param_numel(p) for p in model.parameters()), cfg.zero_stage, world_size,
+                              precision, ds_config)
+    partitioned = any(compat.is_zero3_partitioned(p) for p in model.parameters())
+    with gathered_module_by_module(model) if partitioned else contextlib.nullcontext():
+        return apply_activation_checkpointing(model, cfg.ac, device_type, profile_images, fixed, log)
 
 
 def apply_zero(model, cfg, ds_config, ac_plan):

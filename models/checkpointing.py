@@ -189,6 +189,13 @@ class Profile(list):
         return out
 
 
+def _is_parameter(t: torch.Tensor) -> bool:
+    """A parameter or a view of one (a linear saves its weight transposed), whatever storage it has now."""
+    while t._base is not None:
+        t = t._base
+    return isinstance(t, torch.nn.Parameter)
+
+
 def profile_blocks(model, images: torch.Tensor) -> Profile:
     """One forward of the unwrapped model: saved-tensor bytes (unique storages; activations only, not the
     weights the matmuls also save), FLOPs and cheap-op work per block."""
@@ -211,12 +218,14 @@ def profile_blocks(model, images: torch.Tensor) -> Profile:
     def pack(t):
         if recorder.block is not None:  # weights count as saved tensors for the early stop, not as bytes
             recorder.packs[recorder.block] = recorder.packs.get(recorder.block, 0) + 1
-        if t.untyped_storage().data_ptr() not in weights:
-            storage = t.untyped_storage()
-            saved.setdefault(recorder.block, {})[storage.data_ptr()] = storage.nbytes()
+        if t.untyped_storage().data_ptr() in weights or _is_parameter(t):
+            # Nothing kept: this forward never runs a backward, and a partitioned model's weights are gathered
+            # only while their module runs (engine/parallelize.py), which holding them here would undo.
+            return None
+        storage = t.untyped_storage()
+        saved.setdefault(recorder.block, {})[storage.data_ptr()] = storage.nbytes()
         # Detached: a saved output returned as itself closes a cycle through its own grad_fn that Python's
-        # collector cannot see, and the profiled forward would stay allocated for good. This forward never
-        # runs a backward.
+        # collector cannot see, and the profiled forward would stay allocated for good.
         return t.detach()
 
     flops = compat.flop_counter()

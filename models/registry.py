@@ -2,6 +2,8 @@
 
 Nothing is fetched from a hub: a name that is neither in the registry nor a local directory is an error.
 """
+import contextlib
+import hashlib
 import os
 
 import torch
@@ -91,15 +93,38 @@ def _check_swin_stages(config):
                          f"{config.patch_size * 2 ** (len(config.depths) - 1) * config.window_size}")
 
 
-def build_model(name: str, num_labels: int, image_size: int, patch_size: int = 0, class_names=None):
-    """(model, image_processor). Random init for registry names; weights for local directories.
+def module_seed(seed: int, name: str) -> int:
+    """The RNG seed of one module's initial weights: the run's seed and the module's name, nothing else."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") % 2**63
 
-    The caller seeds torch first, so every rank builds the same initial weights.
+
+def init_weights(model, seed: int, gathered=None):
+    """Initialise every module with Hugging Face's own scheme, each from a generator seeded by `module_seed`.
+
+    The weights then depend on the seed alone: not on the order modules are built in, the RNG's state, the
+    world size, or whether the parameters are partitioned. `gathered(params)`: a context in which a module's
+    parameters are whole (ZeRO-3's partitioned ones are gathered there; every rank computes the same values).
     """
+    gathered = gathered or (lambda params: contextlib.nullcontext())
+    for name, module in model.named_modules():
+        params = list(module.parameters(recurse=False))
+        if not params:
+            continue
+        with gathered(params), torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(module_seed(seed, name))
+            model._init_weights(module)
+
+
+def build_model(name: str, num_labels: int, image_size: int, patch_size: int = 0, class_names=None, seed: int = 0,
+                gathered=None):
+    """(model, image_processor). Registry names: initial weights from `seed` alone (`init_weights`); local
+    directories: their weights. Built through transformers' `_from_config` / `from_pretrained`, which create
+    every parameter partitioned when a ZeRO-3 `HfDeepSpeedConfig` is alive (engine/parallelize.py)."""
     config = model_config(name, num_labels, image_size, patch_size, class_names)
     if name in NAMES:
         cls = ViTForImageClassification if name in VIT_SIZES else SwinForImageClassification
-        model = cls(config)
+        model = cls._from_config(config)
+        init_weights(model, seed, gathered)
         mean, std = ((0.5,) * 3, (0.5,) * 3) if name in VIT_SIZES else (IMAGENET_MEAN, IMAGENET_STD)
         processor = ViTImageProcessorPil(size={"height": image_size, "width": image_size},
                                          image_mean=list(mean), image_std=list(std))

@@ -19,7 +19,8 @@ from config import Config  # noqa: E402
 from engine import compat  # noqa: E402
 from engine.distributed import exit_distributed  # noqa: E402
 from engine.memory import zero_memory_bytes  # noqa: E402
-from engine.parallelize import build_engine, engine_config  # noqa: E402
+from engine.optim import param_groups  # noqa: E402
+from engine.parallelize import build_engine, build_training_model, engine_config  # noqa: E402
 from models import build_model  # noqa: E402
 from models.checkpointing import activation_peak, profile_blocks  # noqa: E402
 
@@ -37,9 +38,19 @@ for name in ("vit-debug", "swin-debug"):
     fixed = zero_memory_bytes(sum(p.numel() for p in probe.parameters()), stage, world, precision, ds)
     lowest, highest = (activation_peak(prof, [how] * len(prof)) for how in ("full", "none"))
     mid = max(fixed["backward"] + prof.bytes_outside + (lowest + highest) / 2, fixed["optimizer_step"]) / 2**30
+    cfg.model = name
     for ac in ("none", "full", "every_n:2", "selective", "hierarchical", f"auto:{mid:.9f}"):
         torch.manual_seed(0)
-        model, _ = build_model(name, 10, 16)
+        model, _ = build_training_model(cfg, ds)  # under ZeRO-3, partitioned as it is built
+        if stage == 3 and ac == "none":  # the seed alone sets the weights: partitioned equals whole, bitwise
+            params = list(model.parameters())
+            whole_model = build_model(name, 10, 16, seed=cfg.seed)[0]
+            with deepspeed.zero.GatheredParameters(params):
+                whole = dict(whole_model.named_parameters())
+                results["compat"][f"{name}_init_equal"] = all(p.equal(whole[n]) for n, p in model.named_parameters())
+            # AdamW's groups read the shape as defined, not the partition's
+            results["compat"][f"{name}_decay_groups"] = [[len(g["params"]) for g in param_groups(m, 0.05)]
+                                                         for m in (model, whole_model)]
         cfg.ac = ac
         built = build_engine(model, cfg, world, "cpu", log=lambda *a: None)  # train.py's own wrapping
         engine, plan = built.engine, built.ac_plan
@@ -65,6 +76,21 @@ for name in ("vit-debug", "swin-debug"):
                                                  "flops": counter.get_total_flops(),
                                                  "recompute_flops_planned": plan["recompute_matmul_flops"]}
         engine.destroy()
+if stage == 3:  # a local Hugging Face directory loads into ZeRO-3 partitions and computes what it does whole
+    hf_dir = out + ".hf"
+    if rank == 0:
+        build_model("vit-debug", 10, 16, seed=3)[0].save_pretrained(hf_dir)
+    torch.distributed.barrier()
+    cfg = Config(model=hf_dir, zero_stage=3, micro_batch_size=8)
+    model, _ = build_training_model(cfg, engine_config(cfg, 32, world)[1])
+    results["compat"]["local_dir_partitioned"] = all(compat.is_zero3_partitioned(p) for p in model.parameters())
+    engine = build_engine(model, cfg, world, "cpu", log=lambda *a: None).engine
+    engine.eval()
+    images = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        logits = engine(images).logits
+        whole = build_model(hf_dir, 10, 16)[0].eval()(images).logits
+    results["compat"]["local_dir_max_rel_diff"] = ((logits - whole).abs().max() / whole.abs().max()).item()
 if rank == 0:
     with open(out, "w") as f:
         json.dump(results, f)

@@ -46,6 +46,15 @@ def test_every_policy_matches_none_bitwise_under_zero(stage, tmp_path):
     assert compat_found["shm_released"] is True
     if stage == 3:
         assert compat_found["zero3_linear_replaced"] is True
+        # partitioned construction: every policy above ran on a model built inside deepspeed.zero.Init (its
+        # profile and `auto` plan included), whose initial weights equal the whole model's from the same seed
+        assert compat_found["vit-debug_init_equal"] is True and compat_found["swin-debug_init_equal"] is True
+        for model in ("vit-debug", "swin-debug"):
+            partitioned, whole = compat_found[f"{model}_decay_groups"]
+            assert partitioned == whole and whole[0] > 0
+        # a local directory loads into the partitions and gives the logits it gives in one process
+        assert compat_found["local_dir_partitioned"] is True
+        assert compat_found["local_dir_max_rel_diff"] < 1e-6
 
 
 @pytest.fixture(scope="module")

@@ -40,6 +40,22 @@ def test_same_seed_same_weights():
         assert p.equal(q), n
 
 
+@pytest.mark.parametrize("name", ["vit-debug", "swin-debug"])
+def test_initial_weights_depend_on_the_seed_alone(name):
+    """Not on the global RNG's state (nor, tests/ac_equivalence.py checks, on the world size or ZeRO-3's
+    partitioning): a 1-rank debug run and a 512-rank run start from the same model."""
+    torch.manual_seed(1)
+    a, _ = build_model(name, 10, 16, seed=5)
+    torch.manual_seed(2)
+    torch.randn(100)
+    b, _ = build_model(name, 10, 16, seed=5)
+    c, _ = build_model(name, 10, 16, seed=6)
+    for (n, p), (_, q), (_, r) in zip(a.named_parameters(), b.named_parameters(), c.named_parameters()):
+        assert p.equal(q), n
+        if p.std() > 0:  # random, not constant (norms, biases)
+            assert not p.equal(r), n
+
+
 def test_local_directory_with_new_head(tmp_path):
     model, processor = build_model("vit-debug", 10, 16, class_names=[str(i) for i in range(10)])
     model.save_pretrained(tmp_path)
