@@ -11,6 +11,7 @@ import torch
 
 DEEPSPEED_SERIES = "0.19."  # requirements.txt: deepspeed==0.19.8
 TORCH_SERIES = "2.13."  # requirements.txt: torch==2.13.0
+TRANSFORMERS_SERIES = "5.24."  # requirements.txt: transformers==5.24.0
 
 
 # torch collectives DeepSpeed's ZeRO calls that torch has deprecated
@@ -24,6 +25,10 @@ class CompatError(RuntimeError):
 def _require(package: str, series: str, function: str):
     if package == "torch":
         version = torch.__version__
+    elif package == "transformers":
+        import transformers
+
+        version = transformers.__version__
     else:
         import deepspeed
 
@@ -197,3 +202,48 @@ def flop_count(func, args, kwargs, out) -> int:
     _require("torch", TORCH_SERIES, "flop_count")
     count = _flop_registry().get(func._overloadpacket)
     return count(*args, **kwargs, out_val=out) if count else 0
+
+
+# ----------------------------------------------------------------------------- torch's dispatcher
+def dispatch_mode_class():
+    """torch's TorchDispatchMode (`torch.utils._python_dispatch`): the base of the checkpointing profile's op
+    recorder, which sees every aten op a forward runs."""
+    _require("torch", TORCH_SERIES, "dispatch_mode_class")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
+def op_packet(func):
+    """The overload packet of a dispatched op (`aten.mm` for `aten.mm.default`)."""
+    _require("torch", TORCH_SERIES, "op_packet")
+    return func._overloadpacket
+
+
+def attention_kernels() -> set:
+    """The aten kernels `scaled_dot_product_attention` dispatches to (flash, memory-efficient, cuDNN, CPU flash)."""
+    _require("torch", TORCH_SERIES, "attention_kernels")
+    aten = torch.ops.aten
+    return {aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
+            aten._scaled_dot_product_cudnn_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default}
+
+
+def internal_copy_and_view_ops() -> tuple:
+    """(`aten._to_copy`, `aten._unsafe_view`): what `.to()` and a copying `reshape` reach the dispatcher as."""
+    _require("torch", TORCH_SERIES, "internal_copy_and_view_ops")
+    return torch.ops.aten._to_copy, torch.ops.aten._unsafe_view
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor:
+    """The tensor a view was made from, followed to the first that is not a view."""
+    _require("torch", TORCH_SERIES, "view_base")
+    while t._base is not None:
+        t = t._base
+    return t
+
+
+# ----------------------------------------------------------------------------- transformers
+def hf_init_module(model, module):
+    """Hugging Face's own initialisation of one module of `model` (`PreTrainedModel._init_weights`)."""
+    _require("transformers", TRANSFORMERS_SERIES, "hf_init_module")
+    model._init_weights(module)

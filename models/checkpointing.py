@@ -29,11 +29,10 @@ from engine import compat
 from models.blocks import Block, find_blocks
 
 aten = torch.ops.aten
+TO_COPY, UNSAFE_VIEW = compat.internal_copy_and_view_ops()
 # outputs worth keeping: the ops that hold the FLOPs
 COMPUTE_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.convolution.default,
-               aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
-               aten._scaled_dot_product_cudnn_attention.default,
-               aten._scaled_dot_product_flash_attention_for_cpu.default}
+               *compat.attention_kernels()}
 PROFILE_BATCH = 2  # images the one-batch profile runs; its figures are scaled to the micro-batch
 POLICIES = ("none", "full", "every_n:K", "selective", "hierarchical[:K]", "offload", "auto:BUDGET_GB")
 
@@ -137,10 +136,10 @@ class BlockProfile:
 # ops that only copy or rescale one tensor: a saved tensor made from a compute output by these alone is that
 # output in another layout (transformers' eager and math-SDPA attention save `(q * scale).contiguous()`)
 # (`contiguous` reaches the dispatcher as `clone`; `mul`/`div` count only with a scalar, one tensor argument)
-COPY_OPS = {aten.clone, aten._to_copy, aten.mul, aten.div}
+COPY_OPS = {aten.clone, TO_COPY, aten.mul, aten.div}
 
 
-class _OpRecorder(torch.utils._python_dispatch.TorchDispatchMode):
+class _OpRecorder(compat.dispatch_mode_class()):
     """Bytes of compute-op outputs and element counts of the other ops, per active block."""
 
     def __init__(self):
@@ -166,11 +165,11 @@ class _OpRecorder(torch.utils._python_dispatch.TorchDispatchMode):
                 ops = self.compute_outputs.setdefault(self.block, [])
                 self.copied_from[storage.data_ptr()] = (self.block, len(ops))
                 ops.append((storage.data_ptr(), storage.nbytes(), flops, packs))
-            elif func._overloadpacket not in (aten.view, aten._unsafe_view, aten.t, aten.transpose, aten.permute,
+            elif compat.op_packet(func) not in (aten.view, UNSAFE_VIEW, aten.t, aten.transpose, aten.permute,
                                               aten.expand, aten.reshape, aten.detach, aten.slice, aten.select):
                 self.cheap_ops.setdefault(self.block, []).append((sum(t.numel() for t in tensors), packs))
                 sources = [a for a in args if isinstance(a, torch.Tensor)]
-                if func._overloadpacket in COPY_OPS and len(sources) == 1 and tensors:
+                if compat.op_packet(func) in COPY_OPS and len(sources) == 1 and tensors:
                     origin = self.copied_from.get(sources[0].untyped_storage().data_ptr())
                     if origin is not None:
                         self.alive.append(tensors[0])
@@ -191,9 +190,7 @@ class Profile(list):
 
 def _is_parameter(t: torch.Tensor) -> bool:
     """A parameter or a view of one (a linear saves its weight transposed), whatever storage it has now."""
-    while t._base is not None:
-        t = t._base
-    return isinstance(t, torch.nn.Parameter)
+    return isinstance(compat.view_base(t), torch.nn.Parameter)
 
 
 def profile_blocks(model, images: torch.Tensor) -> Profile:

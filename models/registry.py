@@ -10,6 +10,8 @@ import torch
 from transformers import (AutoConfig, AutoImageProcessor, AutoModelForImageClassification, SwinConfig,
                           SwinForImageClassification, ViTConfig, ViTForImageClassification, ViTImageProcessorPil)
 
+from engine import compat
+
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 # name: (hidden, depth, heads, mlp, patch). Sizes follow Dosovitskiy et al. 2021 (Ti/S from DeiT),
@@ -112,7 +114,7 @@ def init_weights(model, seed: int, gathered=None):
             continue
         with gathered(params), torch.no_grad(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(module_seed(seed, name))
-            model._init_weights(module)
+            compat.hf_init_module(model, module)
 
 
 def build_model(name: str, num_labels: int, image_size: int, patch_size: int = 0, class_names=None, seed: int = 0,

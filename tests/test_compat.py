@@ -28,20 +28,26 @@ class OpLog(TorchDispatchMode):
 @pytest.mark.parametrize("function, args", [
     (compat.deepspeed_shm_name, (0,)), (compat.make_zero3_linear_out_of_place, ()),
     (compat.zero3_gathered_bytes, (torch.nn.Linear(2, 2),)), (compat.torch_linear, ()),
-    (compat.flop_counter, ()), (compat.flop_count, (None, (), {}, None))])
+    (compat.flop_counter, ()), (compat.flop_count, (None, (), {}, None)), (compat.param_numel, (None,)),
+    (compat.param_ndim, (None,)), (compat.is_zero3_partitioned, (None,)), (compat.dispatch_mode_class, ()),
+    (compat.op_packet, (None,)), (compat.attention_kernels, ()), (compat.internal_copy_and_view_ops, ()),
+    (compat.view_base, (None,)), (compat.hf_init_module, (None, None)), (compat.quiet_deepspeed_deprecations, ())])
 def test_each_function_refuses_another_version(monkeypatch, function, args):
     monkeypatch.setattr(compat, "DEEPSPEED_SERIES", "0.0.")
     monkeypatch.setattr(compat, "TORCH_SERIES", "0.0.")
-    with pytest.raises(compat.CompatError, match=rf"compat.py:{function.__name__} relies on (torch|deepspeed) "
+    monkeypatch.setattr(compat, "TRANSFORMERS_SERIES", "0.0.")
+    with pytest.raises(compat.CompatError, match=rf"compat.py:{function.__name__} relies on (torch|deepspeed|transformers) "
                                                  rf"0\.0\.x internals and the installed .* is \d"):
         function(*args)
 
 
 def test_pins_are_the_checked_versions():
     import deepspeed
+    import transformers
 
     assert torch.__version__.startswith(compat.TORCH_SERIES)
     assert deepspeed.__version__.startswith(compat.DEEPSPEED_SERIES)
+    assert transformers.__version__.startswith(compat.TRANSFORMERS_SERIES)
 
 
 def test_torch_linear_is_the_functional_linear_of_a_fresh_process():
@@ -105,3 +111,37 @@ def test_deepspeed_calls_the_deprecated_collectives_it_quiets():
     for name in compat.DEEPSPEED_DEPRECATED_COLLECTIVES:
         assert f"torch.distributed.{name}" in theirs, name
         assert f"`torch.distributed.{name}` is deprecated" in torchs, name
+
+
+def test_dispatcher_names_the_profile_relies_on():
+    """The op names the checkpointing profile matches: `.to()` reaches the dispatcher as `_to_copy`, a copying
+    reshape as `_unsafe_view`, SDPA on CPU as one of `attention_kernels()`, and views keep their `_base`."""
+    to_copy, unsafe_view = compat.internal_copy_and_view_ops()
+    x = torch.randn(4, 6)
+    with OpLog() as log:
+        x.to(torch.float64)
+        x.t().reshape(24)
+    assert to_copy.__name__ in log.ops and unsafe_view.__name__ in log.ops
+    q = torch.randn(1, 2, 8, 4)
+    seen = []
+
+    class Kernels(compat.dispatch_mode_class()):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Kernels():
+        torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    assert compat.attention_kernels() & set(seen)
+    w = torch.nn.Parameter(torch.randn(3, 3))
+    assert compat.view_base(w.t()[1:]) is w and compat.op_packet(torch.ops.aten.mm.default) is torch.ops.aten.mm
+
+
+def test_hf_init_module_initialises_one_module():
+    from models import build_model
+
+    model, _ = build_model("vit-debug", 10, 16)
+    layer = model.classifier
+    torch.nn.init.zeros_(layer.weight)
+    compat.hf_init_module(model, layer)
+    assert layer.weight.std() > 0
