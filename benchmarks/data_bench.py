@@ -103,9 +103,13 @@ def main():
         w.writerows(rows)
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor())
+    import subprocess
+
     import transformers
 
-    meta = (f"{cpu}, {os.cpu_count()} cores; torch {torch.__version__}, transformers {transformers.__version__}, "
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), capture_output=True, text=True).stdout.strip() or "unknown"
+    meta = (f"commit {commit}; {cpu}, {os.cpu_count()} cores; torch {torch.__version__}, transformers {transformers.__version__}, "
             f"webdataset {wds.__version__ if hasattr(wds, '__version__') else '1.0.2'}; {date.today()}; "
             f"{args.images} JPEGs of 224x224 ({shard_bytes / args.images / 1024:.0f} KiB each), batch {args.batch}, "
             f"{args.batches} timed batches, {args.repeats} repeats")

@@ -15,6 +15,7 @@ PY=${PY:-.venv/bin/python}
 run() { local limit=$1; shift; timeout "$limit" "$@"; local rc=$?; [ $rc -eq 0 ] || echo "FAILED (exit $rc): $*"; }
 
 echo "== 1. machine"
+echo "commit $(git rev-parse HEAD 2>/dev/null || echo unknown), $(date -u +%F)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 $PY - <<'EOF'
 import time, torch, deepspeed, transformers
