@@ -36,10 +36,6 @@ from models.checkpointing import check_policy
 RESEED_STRIDE = 1_000_003
 
 
-def hidden_size(cfg: Config) -> int:
-    return model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size).hidden_size
-
-
 def check_run(cfg: Config, world_size: int, rank: int):
     """Every check on the input that can fail, before anything is written or any process group forms."""
     train_sources = parse_spec(cfg.train_shards, "train_shards")
@@ -47,8 +43,9 @@ def check_run(cfg: Config, world_size: int, rank: int):
     names = train_sources[0].class_names
     if names is not None and len(names) != cfg.num_labels:
         raise ConfigError(f"num_labels is {cfg.num_labels} but the train shards' _info.json lists {len(names)} classes")
-    # an unknown model name raises here, with the list of known ones
-    engine_config(cfg, hidden_size(cfg), world_size)  # a DeepSpeed JSON that contradicts the run config raises here
+    # an unknown model name raises here, with the list of known ones; a contradicting DeepSpeed JSON below
+    hidden = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size).hidden_size
+    _, ds_config = engine_config(cfg, hidden, world_size)
     check_policy(cfg.ac, "cuda" if torch.cuda.is_available() else "cpu")
     if cfg.warmup_steps >= cfg.max_steps and rank == 0:  # a short debug run may mean it; say what it does
         print(f"warning: warmup_steps {cfg.warmup_steps} >= max_steps {cfg.max_steps}: the learning rate rises "
@@ -71,7 +68,7 @@ def check_run(cfg: Config, world_size: int, rank: int):
             if not existed and os.path.isdir(cfg.output_dir):
                 shutil.rmtree(cfg.output_dir, ignore_errors=True)
             raise ConfigError(f"output_dir '{cfg.output_dir}' is not writable: {e.strerror}") from None
-    return train_sources, val_sources, names
+    return train_sources, val_sources, names, ds_config
 
 
 @torch.no_grad()
@@ -141,7 +138,7 @@ def main(argv=None):
     rank, world_size, local_rank, local_world = dist_env()
     try:
         cfg = parse(argv)
-        train_sources, val_sources, names = check_run(cfg, world_size, rank)
+        train_sources, val_sources, names, ds_config = check_run(cfg, world_size, rank)
     except (ConfigError, DataError, ValueError) as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
@@ -154,7 +151,7 @@ def main(argv=None):
     # ------------------------------------------------------------------ model
     # the initial weights come from the seed alone; under ZeRO-3 every parameter is partitioned as it is created,
     # so no rank holds the whole model
-    model, processor = build_training_model(cfg, engine_config(cfg, hidden_size(cfg), world_size)[1], names)
+    model, processor = build_training_model(cfg, ds_config, names)
     torch.manual_seed(cfg.seed)  # dropout and stochastic depth draw from here, however the model was built
     n_params = sum(compat.param_numel(p) for p in model.parameters())
     try:  # activation checkpointing, then ZeRO, then torch.compile
