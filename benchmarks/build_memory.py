@@ -1,6 +1,6 @@
 """Host memory of building and wrapping a large model under ZeRO-3, with and without partitioned construction.
 
-    .venv/bin/python benchmarks/build_memory.py                    # vit-huge (632M), 2 ranks: ~4 min here
+    .venv/bin/python benchmarks/build_memory.py                    # vit-huge (632M), 2 ranks, 2 repeats
     .venv/bin/python benchmarks/build_memory.py --model vit-base --out /tmp/bm   # quick
 
 Each mode is its own 2-rank torchrun job, in alternating order, `--repeats` times. A job builds the model the way
@@ -10,9 +10,9 @@ resident set (VmHWM) after the imports, after the build and after the wrap. Writ
 environment.json under benchmarks/results/build-memory/.
 
 The jobs run with glibc's mmap threshold fixed (MALLOC_MMAP_THRESHOLD_): by default it grows after large frees,
-after which freed blocks stay in the process's heap and the resident set keeps memory nothing uses (building
-vit-base partitioned: 366 MiB above the imports, 193 after malloc_trim, for a 165 MiB partition). Fixed, large
-blocks are mapped and unmapped, and the resident set follows what is allocated.
+after which freed blocks stay in the process's heap and the resident set keeps memory nothing uses
+(benchmarks/results/build-memory/report.md). Fixed, large blocks are mapped and unmapped, and the resident set
+follows what is allocated.
 """
 import argparse
 import datetime
