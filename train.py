@@ -141,7 +141,9 @@ def main(argv=None):
         train_sources, val_sources, names, ds_config = check_run(cfg, world_size, rank)
     except (ConfigError, DataError, ValueError) as e:
         if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        else:  # a launcher kills the other ranks when one exits: rank 0 reports first
+            time.sleep(5)
         sys.exit(2)
     if "OMP_NUM_THREADS" not in os.environ:  # cores / ranks on this node, as on every benchmark here
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
