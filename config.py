@@ -27,6 +27,7 @@ class Config:
     val_shards: str = "data/digits/val-000000.tar"  # WebDataset shard spec for evaluation
     data_mode: str = "epoch"  # epoch: each sample once per epoch | resampled: shards drawn with replacement (many nodes)
     num_workers: int = 1  # DataLoader worker processes per rank for training data
+    data_streams: int = 0  # virtual streams the data order is cut into; 0 = ranks x grad_accum_steps x num_workers (docs/data.md)
     shuffle_buffer: int = 1000  # raw samples per shuffle block, per worker (memory: this many encoded images)
     crop_scale_min: float = 1.0  # random resized crop's smallest area fraction; 1.0 = plain resize (ImageNet: 0.08)
     hflip: float = 0.0  # horizontal flip probability (ImageNet: 0.5; digits: 0, a flipped 2 is no 2)
@@ -37,6 +38,7 @@ class Config:
     # parallelism and precision
     zero_stage: int = 2  # DeepSpeed ZeRO stage: 1 (optimizer states), 2 (+gradients), 3 (+parameters)
     ds_config: str = ""  # DeepSpeed JSON template; "" = ds_configs/zero{zero_stage}.json. Its "auto" fields come from this config
+    dist_timeout: float = 1800.0  # seconds a rank waits for the master's address, for the other ranks, and in any collective
     precision: str = "auto"  # fp32 | bf16 | fp16 | auto (bf16 on GPUs that support it, else fp32)
     ac: str = "none"  # activation checkpointing: none | full | every_n:K | selective | hierarchical[:K] | offload | auto:BUDGET_GB (models/checkpointing.py)
     compile: bool = False  # torch.compile the wrapped model (DeepSpeed's engine.compile(), after the checkpointing)
@@ -147,12 +149,14 @@ def _check(cfg: Config):
     for key in positive:
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"config key '{key}' must be positive, got {getattr(cfg, key)}")
-    for key in ("patch_size", "num_workers", "warmup_steps", "eval_every", "save_every", "grad_clip", "weight_decay",
-                "randaug_n", "mixup", "cutmix"):
+    for key in ("patch_size", "num_workers", "data_streams", "warmup_steps", "eval_every", "save_every", "grad_clip",
+                "weight_decay", "randaug_n", "mixup", "cutmix"):
         if getattr(cfg, key) < 0:
             raise ConfigError(f"config key '{key}' must be >= 0, got {getattr(cfg, key)}")
     if not 0 < cfg.crop_scale_min <= 1 or not 0 <= cfg.hflip <= 1 or not 0 <= cfg.randaug_m <= 10:
         raise ConfigError("crop_scale_min must be in (0, 1], hflip in [0, 1] and randaug_m in [0, 10]")
+    if cfg.dist_timeout <= 0:
+        raise ConfigError(f"config key 'dist_timeout' must be positive, got {cfg.dist_timeout}")
     if cfg.lr <= 0:
         raise ConfigError(f"config key 'lr' must be positive, got {cfg.lr}")
     if not cfg.output_dir:

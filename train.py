@@ -22,12 +22,13 @@ import torch.nn.functional as F
 import yaml
 
 from config import Config, ConfigError, parse, to_dict
-from data.loader import ShardStream, TrainLoader, eval_batches, resume_state
+from data.loader import ShardStream, TrainLoader, check_streams, eval_batches, merge_states, resume_state
 from data.shards import DataError, parse_spec
 from data.transforms import EvalTransform, TrainTransform, mix_batch
-from engine.distributed import dist_env, exit_distributed, init_distributed
+from engine.distributed import DistributedError, dist_env, exit_distributed, init_distributed
 from engine.memory import memory_profiler, memory_trace, peak_memory_bytes
 from engine import compat
+from engine.checkpoint import find_resume, to_universal, write_state
 from engine.parallelize import build_engine, build_training_model, engine_config
 from models import model_config
 from models.checkpointing import check_policy
@@ -47,6 +48,8 @@ def check_run(cfg: Config, world_size: int, rank: int):
     hidden = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size).hidden_size
     _, ds_config = engine_config(cfg, hidden, world_size)
     check_policy(cfg.ac, "cuda" if torch.cuda.is_available() else "cpu")
+    if cfg.data_streams and (why := check_streams(cfg.data_streams, world_size, cfg.grad_accum_steps, cfg.num_workers)):
+        raise ConfigError(f"data_streams: {why}")
     if cfg.warmup_steps >= cfg.max_steps and rank == 0:  # a short debug run may mean it; say what it does
         print(f"warning: warmup_steps {cfg.warmup_steps} >= max_steps {cfg.max_steps}: the learning rate rises "
               f"for the whole run and peaks at {cfg.max_steps / cfg.warmup_steps:.3g} x lr", file=sys.stderr)
@@ -57,6 +60,7 @@ def check_run(cfg: Config, world_size: int, rank: int):
     if not cfg.resume and os.path.exists(os.path.join(ckpt_dir, "latest")):
         raise ConfigError(f"output_dir '{cfg.output_dir}' already holds a run: continue it with --resume latest "
                           f"or choose another output_dir")
+    resume = find_resume(cfg, world_size)  # a missing file or a changed ZeRO stage fails here
     if rank == 0:  # probe writability last, so a failure above leaves no directory behind
         existed = os.path.isdir(cfg.output_dir)
         try:
@@ -68,7 +72,7 @@ def check_run(cfg: Config, world_size: int, rank: int):
             if not existed and os.path.isdir(cfg.output_dir):
                 shutil.rmtree(cfg.output_dir, ignore_errors=True)
             raise ConfigError(f"output_dir '{cfg.output_dir}' is not writable: {e.strerror}") from None
-    return train_sources, val_sources, names, ds_config
+    return train_sources, val_sources, names, ds_config, resume
 
 
 @torch.no_grad()
@@ -138,7 +142,7 @@ def main(argv=None):
     rank, world_size, local_rank, local_world = dist_env()
     try:
         cfg = parse(argv)
-        train_sources, val_sources, names, ds_config = check_run(cfg, world_size, rank)
+        train_sources, val_sources, names, ds_config, resume = check_run(cfg, world_size, rank)
     except (ConfigError, DataError, ValueError) as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
@@ -147,8 +151,22 @@ def main(argv=None):
         sys.exit(2)
     if "OMP_NUM_THREADS" not in os.environ:  # cores / ranks on this node, as on every benchmark here
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    device = init_distributed(local_rank)  # after the checks: bad input fails in a second, not after DeepSpeed's import
+    try:  # after the checks: bad input fails in a second, not after DeepSpeed's import
+        device = init_distributed(local_rank, cfg.dist_timeout)
+    except DistributedError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)  # every rank: each node has its own view of the network
+        if rank == 0 and not os.listdir(cfg.output_dir):  # created by check_run, nothing written yet
+            os.rmdir(cfg.output_dir)
+        sys.exit(2)
     ckpt_dir = os.path.join(cfg.output_dir, "checkpoints")
+    if resume and resume.universal:  # written by another number of ranks: resharded through the universal format
+        if rank == 0:
+            try:
+                to_universal(resume)
+            except ConfigError as e:
+                print(f"error: {e}", file=sys.stderr, flush=True)
+                os._exit(2)  # the other ranks wait in the barrier below; the launcher ends them
+        dist.barrier()
 
     # ------------------------------------------------------------------ model
     # the initial weights come from the seed alone; under ZeRO-3 every parameter is partitioned as it is created,
@@ -157,7 +175,8 @@ def main(argv=None):
     torch.manual_seed(cfg.seed)  # dropout and stochastic depth draw from here, however the model was built
     n_params = sum(compat.param_numel(p) for p in model.parameters())
     try:  # activation checkpointing, then ZeRO, then torch.compile
-        built = build_engine(model, cfg, world_size, device.type, log=print if rank == 0 else lambda *a: None)
+        built = build_engine(model, cfg, world_size, device.type, log=print if rank == 0 else lambda *a: None,
+                             load_universal=bool(resume and resume.universal))
     except ConfigError as e:  # an `auto` budget that cannot be met shows only once the model is profiled
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
@@ -168,28 +187,23 @@ def main(argv=None):
                                                      built.dtype)
 
     # ------------------------------------------------------------------ resume
-    start_step, data_state = 0, None
-    if cfg.resume:
-        load_dir, tag = ckpt_dir, None
-        if cfg.resume != "latest":
-            is_tag = not os.path.isfile(os.path.join(cfg.resume, "latest"))
-            load_dir, tag = (os.path.dirname(cfg.resume.rstrip("/")), os.path.basename(cfg.resume.rstrip("/"))) \
-                if is_tag else (cfg.resume, None)
-        if cfg.resume == "latest" and not os.path.isfile(os.path.join(ckpt_dir, "latest")):
-            if rank == 0:
-                print(f"resume: no checkpoint in {ckpt_dir} yet, starting from step 0")
-        else:
-            path, client_state = engine.load_checkpoint(load_dir, tag=tag)
-            if path is None:
-                raise SystemExit(f"error: could not load a checkpoint from {cfg.resume}")
-            start_step = client_state["step"]
-            data_file = os.path.join(os.path.dirname(path), f"data_state_rank{rank:05d}.json")
-            saved = json.load(open(data_file)) if os.path.isfile(data_file) else None
-            data_state, why_not = resume_state(saved, cfg.data_mode, cfg.seed, world_size, cfg.num_workers,
-                                               cfg.micro_batch_size, cfg.shuffle_buffer)
-            if rank == 0:
-                print(f"resumed from {path} at step {start_step}" + (
-                    "" if data_state else f"; data order restarts ({why_not})"))
+    start_step, data_state, data_streams = 0, None, cfg.data_streams
+    if cfg.resume and resume is None and rank == 0:
+        print(f"resume: no checkpoint in {ckpt_dir} yet, starting from step 0")
+    if resume:
+        with compat.universal_load_keeps_group_settings(engine):
+            path, client_state = engine.load_checkpoint(resume.load_dir, tag=resume.load_tag)
+        if path is None:
+            raise SystemExit(f"error: could not load a checkpoint from {resume.path}")
+        start_step = client_state["step"]
+        data_state, streams, why_not = resume_state(
+            resume.state and resume.state["data"], step=start_step, mode=cfg.data_mode, seed=cfg.seed,
+            data_streams=cfg.data_streams, world_size=world_size, grad_accum_steps=cfg.grad_accum_steps,
+            num_workers=cfg.num_workers, micro_batch_size=cfg.micro_batch_size, shuffle_buffer=cfg.shuffle_buffer)
+        data_streams = streams or data_streams
+        if rank == 0:
+            print(f"resumed from {path} at step {start_step}" + (
+                "" if data_state else f"; data order restarts ({why_not})"))
 
     # ------------------------------------------------------------------ data
     # Every rank and worker reads its own deterministic slice; a checkpoint's data position makes a resumed
@@ -197,6 +211,7 @@ def main(argv=None):
     train_stream = ShardStream(
         train_sources, mode=cfg.data_mode, rank=rank, world_size=world_size, num_workers=cfg.num_workers,
         micro_batch_size=cfg.micro_batch_size, shuffle_buffer=cfg.shuffle_buffer,
+        grad_accum_steps=cfg.grad_accum_steps, streams=data_streams,
         seed=cfg.seed if data_state or not start_step else cfg.seed * RESEED_STRIDE + start_step,
         transform=TrainTransform(processor, cfg.crop_scale_min, cfg.hflip, cfg.randaug_n, cfg.randaug_m),
         state=data_state)
@@ -224,7 +239,9 @@ def main(argv=None):
         from torch.utils.tensorboard import SummaryWriter
 
         writer = SummaryWriter(os.path.join(cfg.output_dir, "tb"), purge_step=start_step + 1)
-        print(f"{cfg.model}: {n_params / 1e6:.2f}M params | ZeRO-{cfg.zero_stage} | {precision} | "
+        hpz = compat.zero3_hpz_ranks(engine.module) if cfg.zero_stage == 3 else 1
+        print(f"{cfg.model}: {n_params / 1e6:.2f}M params | ZeRO-{cfg.zero_stage}"
+              f"{f' (hpZ over {hpz} ranks)' if hpz > 1 else ''} | {precision} | "
               f"world size {world_size} ({world_size // local_world} node(s) x {local_world}, {device.type}, "
               f"{torch.get_num_threads()} threads per rank) | global batch {images_per_step} = {cfg.micro_batch_size} "
               f"micro x {cfg.grad_accum_steps} accum x {world_size} ranks | steps {start_step}->{cfg.max_steps} | "
@@ -261,7 +278,11 @@ def main(argv=None):
             images, labels, meta = next(train_batches)
             data_wait += time.perf_counter() - wait_start
             images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-            mix_rng = torch.Generator().manual_seed(hash((cfg.seed, rank, step, micro)) % 2**63)
+            # mixing, dropout and stochastic depth draw from the seed, the step and the micro-batch's slot in the
+            # step, so that they are the same for any number of ranks and across resumes
+            slot_seed = hash((cfg.seed, step, rank * cfg.grad_accum_steps + micro)) % 2**63
+            mix_rng = torch.Generator().manual_seed(slot_seed)
+            torch.manual_seed(slot_seed)
             images, targets = mix_batch(images, labels, cfg.num_labels, cfg.mixup, cfg.cutmix, mix_rng)
             logits = engine(images.to(dtype)).logits.float()  # (B, num_labels)
             loss = F.cross_entropy(logits, targets, label_smoothing=cfg.label_smoothing)
@@ -302,10 +323,11 @@ def main(argv=None):
         # -------------------------------------------------------------- checkpoint
         if step == cfg.max_steps or (cfg.save_every and step % cfg.save_every == 0):
             tag = f"step{step:07d}"
-            os.makedirs(os.path.join(ckpt_dir, tag), exist_ok=True)
-            # written before DeepSpeed moves `latest`, so a checkpoint that `latest` names has its data position
-            with open(os.path.join(ckpt_dir, tag, f"data_state_rank{rank:05d}.json"), "w") as f:
-                json.dump(train_batches.state_dict(), f)
+            positions = [None] * world_size
+            dist.all_gather_object(positions, train_batches.state_dict())
+            if rank == 0:  # before DeepSpeed moves `latest`: a checkpoint that `latest` names has its data position
+                os.makedirs(os.path.join(ckpt_dir, tag), exist_ok=True)
+                write_state(os.path.join(ckpt_dir, tag), step, world_size, cfg.zero_stage, merge_states(positions))
             engine.save_checkpoint(ckpt_dir, tag=tag, client_state={"step": step})
     bar.close()
     if top1 is None:  # resumed at max_steps: nothing left to train, still report the model's accuracy

@@ -4,7 +4,8 @@
 # 1. the GPU, versions, and a bf16 GEMM's rate (8192^3, the figure MFU is read against);
 # 2. train.py's main job (digits) in bf16 on one rank over NCCL, with its torch.cuda memory figures;
 # 3. the activation-checkpointing policies under ZeRO-3 in bf16 (none, selective, full, and offload, which
-#    needs a GPU), and fp16 with its loss scaler under ZeRO-2: 20 steps each, the last loss beside `none`'s;
+#    needs a GPU), fp16 with its loss scaler under ZeRO-2, and ZeRO++'s quantized communication
+#    (ds_configs/zero3pp.json, CUDA kernels): 20 steps each, the last loss beside `none`'s;
 # 4. the gpu-small benchmark suite (ViT-L/16, one GPU, one repeat): a check of the harness, not a result.
 # Each step has its own time limit, so one that hangs leaves the others' figures.
 set -uo pipefail
@@ -41,12 +42,12 @@ grep -v "^\[" "$OUT/digits-bf16.log" | tail -4
 tail -1 "$OUT/digits-bf16/metrics.jsonl" 2>/dev/null
 
 echo "== 3. activation checkpointing on the GPU: 20 steps each, last loss"
-policy() {  # precision stage ac
-  local dir="$OUT/ac-$1-zero$2-${3//:/_}"
+policy() {  # precision stage ac [ds_config]
+  local dir="$OUT/ac-$1-zero$2-${3//:/_}${4:+-$(basename "$4" .json)}"
   run 90 $PY -m torch.distributed.run --nproc_per_node 1 train.py --config configs/digits-vit.yaml --precision "$1" \
-    --zero_stage "$2" --ac "$3" --max_steps 20 --eval_every 0 --save_every 0 --output_dir "$dir" --progress false \
-    > "$dir.log" 2>&1 || tail -5 "$dir.log"
-  $PY - "$dir/metrics.jsonl" "$1 ZeRO-$2 $3" <<'EOF' 2>&1 | tail -1
+    --zero_stage "$2" --ac "$3" ${4:+--ds_config "$4"} --max_steps 20 --eval_every 0 --save_every 0 --output_dir "$dir" \
+    --progress false > "$dir.log" 2>&1 || tail -5 "$dir.log"
+  $PY - "$dir/metrics.jsonl" "$1 ZeRO-$2 $3 ${4:+$(basename "$4")}" <<'EOF' 2>&1 | tail -1
 import json, sys
 r = [json.loads(line) for line in open(sys.argv[1])][-1]
 print(f"{sys.argv[2]:28s} step {r['step']}: loss {r['loss']:.6f} | peak {r['peak_mem_bytes'] / 2**20:.0f} MiB | "
@@ -56,6 +57,9 @@ EOF
 }
 for ac in none selective full offload; do policy bf16 3 "$ac"; done
 for ac in none selective; do policy fp16 2 "$ac"; done
+# ZeRO++'s quantized weight gathers and gradient reduce-scatter run DeepSpeed's CUDA quantizer (refused on CPU);
+# on one GPU hpZ's partition is the one rank, so this checks the quantized paths, not hpZ
+policy bf16 3 none ds_configs/zero3pp.json
 
 echo "== 4. the gpu-small benchmark suite"
 run 270 $PY benchmarks/train_bench.py --suite gpu-small --out "$OUT/suite" > "$OUT/suite.log" 2>&1

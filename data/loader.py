@@ -1,19 +1,22 @@
 """Streaming reader: WebDataset shards -> augmented micro-batches, split over nodes, ranks and workers.
 
-Every (rank, worker) pair, a "consumer", reads a raw sample stream that is a pure function of
-(seed, epoch, rank, worker), shuffled in blocks of `shuffle_buffer` raw samples. A position in it is
-(epoch, block, index); each batch carries its worker's position after it, so a checkpoint records
-where every worker stands and a resumed run seeks there (whole shards are skipped by their sample
-counts; at most one shard is re-read) instead of replaying the epoch.
+The data order is a function of the seed and a number of virtual *data streams*, not of the ranks or workers
+that read them. Stream v is a raw sample sequence, a pure function of (seed, epoch, v), shuffled in blocks of
+`shuffle_buffer` raw samples; a position in it is (epoch, block, index, batches done this epoch).
 
-- `epoch` mode: the epoch's shards are shuffled, laid end to end and cut into equal contiguous slices,
-  one per consumer. Each consumer yields the same whole number of batches per epoch, so ranks never
-  wait on each other; the remainder beyond that is spare for skipped samples. Each sample is read at
-  most once per epoch (if corrupt samples exceed the spares, earlier ones are repeated and counted).
-- `resampled` mode: each consumer draws shards with replacement, sources mixed by weight, endlessly.
+Micro-batches are numbered globally, g = step * D + slot, where D = world_size x grad_accum_steps is the number
+of micro-batches in one optimizer step and slot = rank x grad_accum_steps + micro. Micro-batch g is the next
+batch of stream g mod V. With V a multiple of D, each rank owns V / world_size streams and reads them in turn;
+each of its DataLoader workers owns every num_workers-th of those. A checkpoint records every stream's position,
+so a run resumed on a different number of ranks (the same D: 2 ranks x 1 accumulation step = 1 rank x 2)
+reads exactly the batches the uninterrupted run would have read, in the same optimizer steps: nothing is
+repeated or skipped. Whole shards are skipped by their sample counts when seeking; at most one is re-read.
 
-DataLoader serves workers round-robin; a resumed loader rotates worker ids so that the worker due next
-in the original run comes first.
+- `epoch` mode: the epoch's shards are shuffled, laid end to end and cut into V equal contiguous slices, one per
+  stream. Each stream yields the same whole number of batches per epoch, so ranks never wait on each other; the
+  remainder beyond that is spare for skipped samples. Each sample is read at most once per epoch (if corrupt
+  samples exceed the spares, earlier ones are repeated and counted).
+- `resampled` mode: each stream draws shards with replacement, sources mixed by weight, endlessly.
 """
 import io
 import random
@@ -47,27 +50,53 @@ def _rng(*parts) -> random.Random:
     return random.Random("/".join(map(str, parts)))  # string seeds hash deterministically (SHA-512)
 
 
+def default_streams(world_size: int, grad_accum_steps: int, num_workers: int) -> int:
+    """A fresh run's number of data streams: one per (rank, accumulation step, worker)."""
+    return world_size * grad_accum_steps * max(1, num_workers)
+
+
+def check_streams(streams: int, world_size: int, grad_accum_steps: int, num_workers: int) -> str | None:
+    """Why `streams` data streams cannot be read by this layout, or None when they can."""
+    per_step = world_size * grad_accum_steps
+    if streams <= 0 or streams % per_step:
+        return (f"{streams} data streams are not a multiple of the {per_step} micro-batches per step "
+                f"({world_size} ranks x {grad_accum_steps} accumulation steps)")
+    if (streams // world_size) % max(1, num_workers):
+        return (f"the {streams // world_size} data streams per rank do not split over {num_workers} workers "
+                f"(num_workers must divide them)")
+    return None
+
+
 class ShardStream(torch.utils.data.IterableDataset):
     def __init__(self, sources, *, mode: str, rank: int, world_size: int, num_workers: int, micro_batch_size: int,
-                 shuffle_buffer: int, seed: int, transform, state: dict | None = None):
+                 shuffle_buffer: int, seed: int, transform, grad_accum_steps: int = 1, streams: int = 0,
+                 state: dict | None = None):
         if mode not in ("epoch", "resampled"):
             raise DataError(f"data mode must be 'epoch' or 'resampled', got '{mode}'")
         self.sources, self.mode, self.rank, self.world_size = sources, mode, rank, world_size
         self.num_workers, self.mbs, self.block, self.seed = max(1, num_workers), micro_batch_size, \
             max(1, shuffle_buffer), seed
+        self.grad_accum = grad_accum_steps
+        self.streams = streams or default_streams(world_size, grad_accum_steps, num_workers)
+        why = check_streams(self.streams, world_size, grad_accum_steps, num_workers)
+        if why:
+            raise DataError(why)
+        # the streams this rank reads, in the order its micro-batches take them
+        per_step, per_rank = world_size * grad_accum_steps, self.streams // world_size
+        self.rank_streams = [(i // grad_accum_steps) * per_step + rank * grad_accum_steps + i % grad_accum_steps
+                             for i in range(per_rank)]
         self.transform = transform
-        self.state = state or {"batches": 0, "workers": {}}
+        self.state = state or {"batches": 0, "streams": {}}
         if mode == "epoch":
             if any(s.weight != 1.0 for s in sources):
                 raise DataError("source weights (@w) apply to data_mode 'resampled' only")
             self.urls = [u for s in sources for u in s.urls]
             self.counts = [c for s in sources for c in self._counts(s)]
-            consumers = world_size * self.num_workers
-            self.per_consumer = sum(self.counts) // consumers
-            self.batches_per_epoch = self.per_consumer // micro_batch_size  # per consumer
+            self.per_stream = sum(self.counts) // self.streams
+            self.batches_per_epoch = self.per_stream // micro_batch_size  # per stream
             if self.batches_per_epoch == 0:
-                raise DataError(f"epoch mode: {sum(self.counts)} samples over {consumers} consumers (ranks x "
-                                f"workers) leave less than one micro-batch of {micro_batch_size} each")
+                raise DataError(f"epoch mode: {sum(self.counts)} samples over {self.streams} data streams leave "
+                                f"less than one micro-batch of {micro_batch_size} each")
         else:
             self.counts_by_source = [s.counts for s in sources]  # None: unknown, counted once per shard on first draw
 
@@ -79,37 +108,37 @@ class ShardStream(torch.utils.data.IterableDataset):
         return [count_samples(u) for u in source.urls]
 
     def batches_per_rank_epoch(self) -> int | None:
-        return self.batches_per_epoch * self.num_workers if self.mode == "epoch" else None
+        return self.batches_per_epoch * len(self.rank_streams) if self.mode == "epoch" else None
 
-    # ------------------------------------------------------------- raw slots of one consumer
-    def _epoch_slots(self, epoch: int, consumer: int):
-        """(url, index in shard) for this consumer's slice of the epoch, in shard order."""
+    # ------------------------------------------------------------- raw slots of one stream
+    def _epoch_slots(self, epoch: int, stream: int):
+        """(url, index in shard) for this stream's slice of the epoch, in shard order."""
         order = list(range(len(self.urls)))
         _rng(self.seed, "shards", epoch).shuffle(order)
         starts = [0, *accumulate(self.counts[i] for i in order)]
-        lo, hi = consumer * self.per_consumer, (consumer + 1) * self.per_consumer
+        lo, hi = stream * self.per_stream, (stream + 1) * self.per_stream
         slots = []
         for j, i in enumerate(order):
             a, b = max(lo, starts[j]), min(hi, starts[j + 1])
             slots.extend((self.urls[i], k - starts[j]) for k in range(a, b))
         return slots
 
-    def _resampled_slots(self, consumer: int, start: int):
-        """This consumer's endless (url, index) stream from slot `start` on: sources mixed by weight, shards
+    def _resampled_slots(self, stream: int, start: int):
+        """This stream's endless (url, index) sequence from slot `start` on: sources mixed by weight, shards
         drawn with replacement per source. Seeking costs random draws, not reads, when counts are known."""
         n_sources = len(self.sources)
-        mix = _rng(self.seed, "mix", consumer)
+        mix = _rng(self.seed, "mix", stream)
         pick = (lambda: 0) if n_sources == 1 else \
             (lambda: mix.choices(range(n_sources), [s.weight for s in self.sources])[0])
         before = [0] * n_sources
         for _ in range(start):
             before[pick()] += 1
-        streams = [self._source_slots(consumer, s, before[s]) for s in range(n_sources)]
+        sequences = [self._source_slots(stream, s, before[s]) for s in range(n_sources)]
         while True:
-            yield next(streams[pick()])
+            yield next(sequences[pick()])
 
-    def _source_slots(self, consumer: int, s: int, skip: int):
-        draws, source = _rng(self.seed, "draw", consumer, s), self.sources[s]
+    def _source_slots(self, stream: int, s: int, skip: int):
+        draws, source = _rng(self.seed, "draw", stream, s), self.sources[s]
         while True:
             shard = draws.randrange(len(source.urls))
             if self.counts_by_source[s] is None:
@@ -142,17 +171,27 @@ class ShardStream(torch.utils.data.IterableDataset):
         workers = info.num_workers if info else 1
         if workers != self.num_workers:
             raise DataError(f"ShardStream built for {self.num_workers} workers runs under {workers}")
-        logical = ((info.id if info else 0) + self.state["batches"]) % workers  # the worker due next comes first
-        consumer = self.rank * workers + logical
-        epoch, block, index, done = self.state["workers"].get(str(logical), (0, 0, 0, 0))
+        # DataLoader serves its workers round-robin, so this worker makes every `workers`-th of the rank's
+        # micro-batches from here on; micro-batch k comes from the rank's stream k mod len(rank_streams), so each
+        # stream belongs to exactly one worker
+        k, batches = self.state["batches"] + (info.id if info else 0), {}
+        while True:
+            stream = self.rank_streams[k % len(self.rank_streams)]
+            if stream not in batches:
+                batches[stream] = self._stream_batches(stream, *self.state["streams"].get(str(stream), (0, 0, 0, 0)))
+            yield next(batches[stream])
+            k += workers
+
+    def _stream_batches(self, stream: int, epoch: int, block: int, index: int, done: int):
+        """Stream `stream`'s micro-batches from the position (epoch, block, index, done) on, endlessly."""
         reader = _ShardReader()
         batch, skipped, padded = [], 0, 0
         while True:
             if self.mode == "epoch":
-                slots_all = self._epoch_slots(epoch, consumer)
+                slots_all = self._epoch_slots(epoch, stream)
                 n_blocks = -(-len(slots_all) // self.block)
             else:
-                stream = self._resampled_slots(consumer, block * self.block)
+                sequence = self._resampled_slots(stream, block * self.block)
             good_in_cycle = 0
             while self.mode == "resampled" or done < self.batches_per_epoch:
                 if self.mode == "epoch":
@@ -160,11 +199,11 @@ class ShardStream(torch.utils.data.IterableDataset):
                     slots = slots_all[b * self.block:(b + 1) * self.block]
                     if b == 0 and block > 0:
                         if good_in_cycle == 0:
-                            raise DataError(f"consumer {consumer}: no readable sample in its share of epoch {epoch}")
+                            raise DataError(f"data stream {stream}: no readable sample in its share of epoch {epoch}")
                         good_in_cycle = 0
                 else:
-                    slots = [next(stream) for _ in range(self.block)]
-                _rng(self.seed, "block", epoch, consumer, block).shuffle(slots)
+                    slots = [next(sequence) for _ in range(self.block)]
+                _rng(self.seed, "block", epoch, stream, block).shuffle(slots)
                 for sample in reader.read(slots[index:]):
                     index += 1
                     item = self._prepare(sample, epoch)
@@ -180,7 +219,7 @@ class ShardStream(torch.utils.data.IterableDataset):
                     pos = [epoch, block, index, done] if index < len(slots) else [epoch, block + 1, 0, done]
                     images, labels, keys = zip(*batch)
                     yield torch.stack(images), torch.tensor(labels), {
-                        "worker": logical, "pos": pos, "skipped": skipped, "padded": padded, "keys": list(keys)}
+                        "stream": stream, "pos": pos, "skipped": skipped, "padded": padded, "keys": list(keys)}
                     batch, skipped, padded = [], 0, 0
                     if self.mode == "epoch" and done == self.batches_per_epoch:
                         break
@@ -231,11 +270,11 @@ class _ShardReader:
 
 
 class TrainLoader:
-    """DataLoader over a ShardStream that tracks the data position for checkpoints."""
+    """DataLoader over a ShardStream that tracks every stream's position for checkpoints."""
 
     def __init__(self, dataset: ShardStream, num_workers: int):
         self.dataset = dataset
-        self.state = {"batches": dataset.state["batches"], "workers": dict(dataset.state["workers"])}
+        self.state = {"batches": dataset.state["batches"], "streams": dict(dataset.state["streams"])}
         self.skipped = self.padded = 0
         self.loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=num_workers,
                                                   persistent_workers=num_workers > 0,
@@ -250,27 +289,50 @@ class TrainLoader:
             self._it = iter(self.loader)
         images, labels, meta = next(self._it)
         self.state["batches"] += 1
-        self.state["workers"][str(meta["worker"])] = meta["pos"]
+        self.state["streams"][str(meta["stream"])] = meta["pos"]
         self.skipped += meta["skipped"]
         self.padded += meta["padded"]
         return images, labels, meta
 
     def state_dict(self) -> dict:
+        """This rank's stream positions and the layout that gives them their meaning."""
         d = self.dataset
-        return {**self.state, "mode": d.mode, "seed": d.seed, "world_size": d.world_size,
-                "num_workers": d.num_workers, "micro_batch_size": d.mbs, "shuffle_buffer": d.block}
+        return {"streams": dict(self.state["streams"]), "layout": {
+            "mode": d.mode, "seed": d.seed, "data_streams": d.streams, "micro_batch_size": d.mbs,
+            "shuffle_buffer": d.block, "world_size": d.world_size, "grad_accum_steps": d.grad_accum,
+            "num_workers": d.num_workers}}
 
 
-def resume_state(saved: dict | None, mode, seed, world_size, num_workers, micro_batch_size, shuffle_buffer):
-    """The saved data position if it still applies to this run's layout, else None (with the reason)."""
+def merge_states(states: list[dict]) -> dict:
+    """Every rank's state_dict -> one data position for the whole run (what a checkpoint holds)."""
+    merged = {"layout": states[0]["layout"], "streams": {}}
+    for s in states:
+        merged["streams"].update(s["streams"])
+    return merged
+
+
+# the layout keys a data position depends on; world_size, grad_accum_steps and num_workers may change
+ORDER_KEYS = ("mode", "seed", "micro_batch_size", "shuffle_buffer")
+
+
+def resume_state(saved: dict | None, *, step: int, mode: str, seed: int, data_streams: int, world_size: int,
+                 grad_accum_steps: int, num_workers: int, micro_batch_size: int, shuffle_buffer: int):
+    """(state, streams, None) to continue the saved data position on this run's layout, or (None, 0, reason)."""
     if not saved:
-        return None, "no data position in the checkpoint"
-    now = {"mode": mode, "seed": seed, "world_size": world_size, "num_workers": max(1, num_workers),
-           "micro_batch_size": micro_batch_size, "shuffle_buffer": max(1, shuffle_buffer)}
-    changed = [f"{k} {saved.get(k)} -> {v}" for k, v in now.items() if saved.get(k) != v]
+        return None, 0, "no data position in the checkpoint"
+    layout = saved["layout"]
+    now = {"mode": mode, "seed": seed, "micro_batch_size": micro_batch_size, "shuffle_buffer": max(1, shuffle_buffer)}
+    changed = [f"{k} {layout.get(k)} -> {v}" for k, v in now.items() if layout.get(k) != v]
+    if data_streams and data_streams != layout["data_streams"]:
+        changed.append(f"data_streams {layout['data_streams']} -> {data_streams}")
     if changed:
-        return None, "the data layout changed (" + ", ".join(changed) + ")"
-    return {"batches": saved["batches"], "workers": saved["workers"]}, None
+        return None, 0, "the data layout changed (" + ", ".join(changed) + ")"
+    streams = layout["data_streams"]
+    why = check_streams(streams, world_size, grad_accum_steps, num_workers)
+    if why:
+        return None, 0, why
+    # every rank has taken grad_accum_steps micro-batches per step
+    return {"batches": step * grad_accum_steps, "streams": saved["streams"]}, streams, None
 
 
 def eval_batches(sources, transform, batch_size: int, rank: int, world_size: int):

@@ -167,6 +167,43 @@ def zero3_gathered_bytes(module: torch.nn.Module) -> int:
                if getattr(p, "ds_status", ZeroParamStatus.NOT_AVAILABLE) != ZeroParamStatus.NOT_AVAILABLE)
 
 
+def zero3_hpz_ranks(module: torch.nn.Module) -> int:
+    """Ranks ZeRO++'s hierarchical partitioning (hpZ) keeps each parameter's secondary partition over; 1 when off."""
+    _require("deepspeed", DEEPSPEED_SERIES, "zero3_hpz_ranks")
+    import torch.distributed as dist
+
+    group = next((getattr(p, "ds_zero_param_process_group", None) for p in module.parameters()), None)
+    return dist.get_world_size(group) if group is not None else 1
+
+
+# ----------------------------------------------------------------------------- checkpoints
+# hyperparameters that differ between this project's parameter groups (engine/optim.py)
+GROUP_HYPERPARAMETERS = ("weight_decay",)
+
+
+@contextlib.contextmanager
+def universal_load_keeps_group_settings(engine):
+    """Load a universal checkpoint into `engine` as faithfully as a checkpoint of the same world size.
+
+    DeepSpeed's ZeRO-3 universal loader
+    - copies the first saved parameter group's hyperparameters onto every group, which gives the no-decay
+      group (norms, biases, position embeddings) the decay group's weight decay: the groups' own values are
+      put back;
+    - gives every group's Adam state one and the same `step` tensor, which each group's update then advances
+      in place, so every group after the first corrects its moments with a step count too high: each state
+      gets its own copy.
+    """
+    _require("deepspeed", DEEPSPEED_SERIES, "universal_load_keeps_group_settings")
+    kept = [{k: g[k] for k in GROUP_HYPERPARAMETERS if k in g} for g in engine.optimizer.param_groups]
+    yield
+    for group, values in zip(engine.optimizer.param_groups, kept):
+        group.update(values)
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    for state in inner.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
+
+
 # ----------------------------------------------------------------------------- FLOP counting
 # The CPU flash-attention kernels and the GPU ones they stand in for: same leading arguments (query, key,
 # value; the backward: grad_out first), same work.

@@ -1,15 +1,19 @@
 """Process groups: what the launcher set, starting DeepSpeed's communication, and leaving without an abort."""
 import contextlib
+import datetime
 import io
 import logging
 import os
 import socket
 import sys
+import time
 
 import torch
 import torch.distributed as dist
 
 from engine.compat import quiet_deepspeed_deprecations, release_deepspeed_shm
+
+DEFAULT_TIMEOUT_S = 1800  # torch's own default for gloo and NCCL
 
 
 def free_port() -> int:
@@ -23,13 +27,45 @@ def dist_env() -> tuple[int, int, int, int]:
     if "RANK" not in os.environ:  # plain `python train.py`
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
-    local_world = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or "1"  # torchrun / deepspeed
-    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"]), int(local_world)
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"]), ranks_per_node()
 
 
-def init_distributed(local_rank: int) -> torch.device:
+def ranks_per_node() -> int:
+    """This node's ranks, as torchrun (LOCAL_WORLD_SIZE) or DeepSpeed's launcher (LOCAL_SIZE) set them; 1 without."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or "1")
+
+
+class DistributedError(RuntimeError):
+    """The ranks could not form their process group: one line saying where and how long this rank waited."""
+
+
+def wait_for_master(addr: str, port: int, timeout_s: float):
+    """Return once a TCP connection to the master's address succeeds; DistributedError after `timeout_s`. Checked
+    before torch connects, whose own timeout is logged with a C++ stack trace per retry."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))).close()
+            return
+        except socket.gaierror as e:
+            raise DistributedError(f"cannot resolve the master address {addr} ({e.strerror}): MASTER_ADDR must be "
+                                   f"node 0's name or IP as this node resolves it") from None
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise DistributedError(
+                    f"rank {os.environ.get('RANK')} cannot reach the master at {addr}:{port} within {timeout_s:g} s "
+                    f"(dist_timeout): is node 0 running, is {addr}:{port} reachable from this node (firewall, "
+                    f"interface), and did every node get the same MASTER_ADDR and MASTER_PORT? "
+                    f"({e.strerror or type(e).__name__})") from None
+            time.sleep(0.5)
+
+
+def init_distributed(local_rank: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.device:
     """Join the process group through DeepSpeed (NCCL on GPUs, gloo on its CPU accelerator); returns this
-    rank's device."""
+    rank's device. `timeout_s` bounds the wait for the master's address and for the other ranks (and, after
+    that, every collective); past it, DistributedError names the address and port."""
+    if os.environ.get("RANK", "0") != "0":  # rank 0's process or launcher serves the address; the others connect
+        wait_for_master(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout_s)
     if not torch.cuda.is_available():  # said, DeepSpeed picks its CPU accelerator without a warning per process
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed  # heavy: imported once the input is known to be good
@@ -37,12 +73,20 @@ def init_distributed(local_rank: int) -> torch.device:
     deepspeed.utils.logger.setLevel(logging.WARNING)  # its INFO lines describe its own set-up, every rank
     quiet_deepspeed_deprecations()
     printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        deepspeed.init_distributed()
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    try:
+        with contextlib.redirect_stdout(printed):
+            deepspeed.init_distributed(timeout=datetime.timedelta(seconds=timeout_s))
+            dist.barrier()  # every rank has joined
+    except (RuntimeError, dist.DistError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DistributedError(
+            f"rank {os.environ.get('RANK')} could not form the process group through the master at {where} within "
+            f"{timeout_s:g} s (dist_timeout): did every node start, with the same MASTER_ADDR, MASTER_PORT and "
+            f"world size? ({first})") from None
     # every rank prints that its CPU communication op was built (or loaded from the cache); other lines pass
     sys.stdout.writelines(line for line in printed.getvalue().splitlines(keepends=True)
                           if not line.endswith("built successfully\n"))
-    dist.barrier()
     release_deepspeed_shm(dist.get_rank())
     if not torch.cuda.is_available():
         return torch.device("cpu")

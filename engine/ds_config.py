@@ -50,6 +50,24 @@ def _walk(d: dict, prefix=""):
             yield f"{prefix}{k}", v
 
 
+# ZeRO++ (Wang et al. 2023): hpZ keeps a secondary copy of each parameter partitioned within a node, so the
+# backward's gathers stay inside it; qwZ and qgZ quantize the weights' gathers and the gradients' reduce-scatter
+ZEROPP_QUANTIZED = ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients")
+
+
+def _zeropp(zero: dict, where: str):
+    """Fill hpZ's "auto" partition size with the ranks per node; refuse quantized communication without a GPU."""
+    from engine.distributed import ranks_per_node
+
+    if zero.get("zero_hpz_partition_size") == "auto":
+        zero["zero_hpz_partition_size"] = ranks_per_node()
+    quantized = [k for k in ZEROPP_QUANTIZED if zero.get(k)]
+    if quantized and not torch.cuda.is_available():
+        raise ConfigError(f"{where} sets {' and '.join(quantized)}: ZeRO++'s quantized communication runs "
+                          f"DeepSpeed's CUDA quantizer kernels and needs a GPU; on CPU set them false (hierarchical "
+                          f"partitioning, zero_hpz_partition_size, runs anywhere)")
+
+
 def build_ds_config(cfg: Config, hidden_size: int, world_size: int, precision: str) -> dict:
     """The DeepSpeed config for this run: the template's explicit values win only where they agree."""
     path = cfg.ds_config or os.path.join(DS_CONFIG_DIR, f"zero{cfg.zero_stage}.json")
@@ -103,6 +121,7 @@ def build_ds_config(cfg: Config, hidden_size: int, world_size: int, precision: s
     for key, value in auto_sizes.items():
         if zero.get(key) == "auto":
             zero[key] = value
+    _zeropp(zero, where)
     leftover = [k for k, v in _walk(ds) if v == "auto"]
     if leftover:
         raise ConfigError(f"{where} has \"auto\" fields this trainer cannot fill: {', '.join(leftover)}")

@@ -91,9 +91,13 @@ def gathered_module_by_module(model: torch.nn.Module):
             h.remove()
 
 
-def build_engine(model: torch.nn.Module, cfg: Config, world_size: int, device_type: str, log=print) -> Built:
-    """Wrap a freshly built model for training under `cfg`: train.py's path, and every benchmark's."""
+def build_engine(model: torch.nn.Module, cfg: Config, world_size: int, device_type: str, log=print,
+                 load_universal: bool = False) -> Built:
+    """Wrap a freshly built model for training under `cfg`: train.py's path, and every benchmark's.
+    `load_universal`: the engine will load a universal checkpoint (one written by another number of ranks)."""
     precision, ds_config = engine_config(cfg, model.config.hidden_size, world_size)
+    if load_universal:
+        ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
     engine, ac_plan = parallelize(model, cfg, ds_config, profile_batch(cfg), world_size, precision, device_type,
                                   log)
     return Built(engine, ac_plan, ds_config, precision, DTYPES[precision])

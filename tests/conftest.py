@@ -65,3 +65,19 @@ def digits(tmp_path_factory):
 @pytest.fixture(scope="session")
 def debug_args(digits):
     return DEBUG_ARGS + ["--train_shards", digits["train"], "--val_shards", digits["val"]]
+
+
+MODELS, STAGES = ("vit-debug", "swin-debug"), (1, 2, 3)
+
+
+@pytest.fixture(scope="session")
+def stage_runs(debug_args, tmp_path_factory):
+    """The debug run of each model under ZeRO 1, 2 and 3 on 2 ranks: 120 steps, checkpoints at 60 and 120."""
+    root = tmp_path_factory.mktemp("stages")
+    runs = {}
+    for model in MODELS:
+        for stage in STAGES:
+            out = root / f"{model}-zero{stage}"
+            launch(debug_args + ["--model", model, "--zero_stage", stage, "--output_dir", out])
+            runs[model, stage] = str(out)
+    return runs

@@ -37,7 +37,31 @@ CASES = {
                                                "image_size 15 is not a multiple of patch_size 2: the last 1 pixel "
                                                "row(s) and column(s) would be dropped; use image_size 14 or 16"),
     "truncated _info.json": (lambda t, d: ["--train_shards", truncated_info(t, d)], "_info.json is not valid JSON"),
+    "checkpoint of another ZeRO stage": (lambda t, d: ["--zero_stage", "3", "--resume", checkpoint(t, 2, 2)],
+                                         "was written under ZeRO-2 and this run uses ZeRO-3; resume it with "
+                                         "--zero_stage 2"),
+    "checkpoint missing a rank's files": (lambda t, d: ["--zero_stage", "2", "--resume", checkpoint(t, 2, 2, [1])],
+                                          "is incomplete: 1 of the files its 2 ranks wrote are missing "
+                                          "(zero_pp_rank_1_mp_rank_00_optim_states.pt)"),
+    "zero++ quantization on cpu": (lambda t, d: ["--zero_stage", "3", "--ds_config", "ds_configs/zero3pp.json"],
+                                  "sets zero_quantized_weights and zero_quantized_gradients: ZeRO++'s quantized "
+                                  "communication runs DeepSpeed's CUDA quantizer kernels and needs a GPU"),
+    "data streams that do not split": (lambda t, d: ["--data_streams", "2", "--num_workers", "4"],
+                                       "data_streams: the 2 data streams per rank do not split over 4 workers"),
 }
+
+
+def checkpoint(tmp_path, world_size, stage, missing_ranks=()):
+    """A checkpoint directory as train.py writes it (its files' names; their contents are not read before the
+    checks), written by `world_size` ranks under ZeRO `stage`, without the files of `missing_ranks`."""
+    path = tmp_path / "ckpt" / "step0000060"
+    path.mkdir(parents=True)
+    (path / "train_state.json").write_text(json.dumps({"step": 60, "world_size": world_size, "zero_stage": stage,
+                                                       "data": {}}))
+    (path / "mp_rank_00_model_states.pt").write_bytes(b"")
+    for r in set(range(world_size)) - set(missing_ranks):
+        (path / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"")
+    return path
 
 
 def truncated_info(tmp_path, digits):

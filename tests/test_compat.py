@@ -2,7 +2,9 @@
 
 The behaviours that need real DeepSpeed processes are checked where those already run: the shared-memory
 buffer's name and DeepSpeed's process-wide ZeRO-3 linear in tests/ac_equivalence.py (every policy under
-ZeRO 1-3), the gathered-weight count in the cpu-smoke benchmark (tests/test_benchmarks.py).
+ZeRO 1-3), the gathered-weight count in the cpu-smoke benchmark (tests/test_benchmarks.py), the corrections
+to DeepSpeed's ZeRO-3 universal-checkpoint load in tests/test_elastic.py (bitwise losses need both), and hpZ's
+partition group in tests/test_multinode.py.
 """
 import subprocess
 import sys
@@ -31,14 +33,18 @@ class OpLog(TorchDispatchMode):
     (compat.flop_counter, ()), (compat.flop_count, (None, (), {}, None)), (compat.param_numel, (None,)),
     (compat.param_ndim, (None,)), (compat.is_zero3_partitioned, (None,)), (compat.dispatch_mode_class, ()),
     (compat.op_packet, (None,)), (compat.attention_kernels, ()), (compat.internal_copy_and_view_ops, ()),
-    (compat.view_base, (None,)), (compat.hf_init_module, (None, None)), (compat.quiet_deepspeed_deprecations, ())])
+    (compat.view_base, (None,)), (compat.hf_init_module, (None, None)), (compat.quiet_deepspeed_deprecations, ()),
+    (compat.zero3_hpz_ranks, (None,)), (compat.universal_load_keeps_group_settings, (None,))])
 def test_each_function_refuses_another_version(monkeypatch, function, args):
     monkeypatch.setattr(compat, "DEEPSPEED_SERIES", "0.0.")
     monkeypatch.setattr(compat, "TORCH_SERIES", "0.0.")
     monkeypatch.setattr(compat, "TRANSFORMERS_SERIES", "0.0.")
     with pytest.raises(compat.CompatError, match=rf"compat.py:{function.__name__} relies on (torch|deepspeed|transformers) "
                                                  rf"0\.0\.x internals and the installed .* is \d"):
-        function(*args)
+        result = function(*args)
+        if hasattr(result, "__enter__"):  # a context manager checks when it is entered
+            with result:
+                pass
 
 
 def test_pins_are_the_checked_versions():

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import REPO
-from data.loader import ShardStream, TrainLoader, eval_batches
+from data.loader import ShardStream, TrainLoader, eval_batches, merge_states, resume_state
 from data.shards import DataError, parse_spec
 from data.transforms import EvalTransform, TrainTransform, mix_batch
 from models import build_model
@@ -58,14 +58,16 @@ def make_shards(root, n_shards, per_shard, prefix="train", key_prefix="s"):
     return f"{root}/{prefix}-{{000000..{n_shards - 1:06d}}}.tar"
 
 
-def read_epoch(spec, world_size, num_workers, mbs, mode="epoch", batches=None, state=None, block=16, seed=0):
-    """{rank: [keys of each batch]} read through real DataLoader worker processes."""
+def read_epoch(spec, world_size, num_workers, mbs, mode="epoch", batches=None, state=None, block=16, seed=0,
+               grad_accum=1, streams=0):
+    """{rank: ([keys of each batch], loader)} read through real DataLoader worker processes. `state`: the run's
+    data position, as resume_state gives it."""
     sources = parse_spec(spec, "train_shards")
     out = {}
     for rank in range(world_size):
         ds = ShardStream(sources, mode=mode, rank=rank, world_size=world_size, num_workers=num_workers,
-                         micro_batch_size=mbs, shuffle_buffer=block, seed=seed,
-                         transform=TrainTransform(PROCESSOR, 1.0, 0.0, 0), state=state and state[rank])
+                         micro_batch_size=mbs, shuffle_buffer=block, seed=seed, grad_accum_steps=grad_accum,
+                         streams=streams, transform=TrainTransform(PROCESSOR, 1.0, 0.0, 0), state=state)
         loader = TrainLoader(ds, num_workers)
         n = batches if batches is not None else ds.batches_per_rank_epoch()
         out[rank] = ([next(loader)[2]["keys"] for _ in range(n)], loader)
@@ -209,19 +211,65 @@ def test_missing_pattern_and_dead_url_are_one_clear_error(tmp_path):
 
 
 # ---------------------------------------------------------------- exact resume
+def resume_from(part, step, **layout):
+    """The data position a checkpoint after `step` steps of `part` gives a run with `layout`."""
+    merged = merge_states([loader.state_dict() for _, loader in part.values()])
+    saved = merged["layout"]
+    now = dict(mode=saved["mode"], seed=saved["seed"], data_streams=0, micro_batch_size=saved["micro_batch_size"],
+               shuffle_buffer=saved["shuffle_buffer"])
+    state, streams, why = resume_state(json.loads(json.dumps(merged)), step=step, **{**now, **layout})
+    assert why is None, why
+    return state, streams
+
+
 @pytest.mark.parametrize("mode", ["epoch", "resampled"])
 @pytest.mark.parametrize("stop_after", [5, 13])  # 13 batches: past the end of the first epoch (12 per rank)
 def test_resume_reads_exactly_what_the_uninterrupted_run_reads(tmp_path, mode, stop_after):
-    spec = make_shards(tmp_path, 3, 64)  # 192 samples / 4 consumers / 8 = 6 batches per worker, 12 per rank
+    spec = make_shards(tmp_path, 3, 64)  # 192 samples / 4 streams / 8 = 6 batches per stream, 12 per rank
     total = 20
     full = read_epoch(spec, 2, 2, 8, mode=mode, batches=total)
     part = read_epoch(spec, 2, 2, 8, mode=mode, batches=stop_after)
-    states = {rank: loader.state_dict() for rank, (_, loader) in part.items()}
-    states = {rank: {"batches": s["batches"], "workers": s["workers"]} for rank, s in states.items()}
-    rest = read_epoch(spec, 2, 2, 8, mode=mode, batches=total - stop_after, state=states)
+    state, streams = resume_from(part, stop_after, world_size=2, grad_accum_steps=1, num_workers=2)
+    rest = read_epoch(spec, 2, 2, 8, mode=mode, batches=total - stop_after, state=state, streams=streams)
     for rank in range(2):
         assert part[rank][0] + rest[rank][0] == full[rank][0]
     assert full[0][0] != full[1][0]
+
+
+@pytest.mark.parametrize("mode", ["epoch", "resampled"])
+def test_resume_on_another_world_size_reads_the_same_global_batches(tmp_path, mode):
+    """2 ranks x 1 micro-batch per step -> 1 rank x 2 accumulated micro-batches -> 2 ranks again, with
+    2 workers per rank throughout: every optimizer step takes the same samples as the uninterrupted 2-rank run,
+    across the end of the first epoch; nothing is repeated or skipped."""
+    spec = make_shards(tmp_path, 3, 64)
+    total, first, second = 16, 5, 9
+    full = read_epoch(spec, 2, 2, 8, mode=mode, batches=total)
+    steps = [full[0][0][s] + full[1][0][s] for s in range(total)]  # a step's keys: rank 0's batch, then rank 1's
+
+    part = read_epoch(spec, 2, 2, 8, mode=mode, batches=first)
+    state, streams = resume_from(part, first, world_size=1, grad_accum_steps=2, num_workers=2)
+    assert streams == 4  # the data streams of the run that wrote the position
+    one = read_epoch(spec, 1, 2, 8, mode=mode, batches=2 * (second - first), state=state, grad_accum=2,
+                     streams=streams)
+    batches = one[0][0]
+    assert [batches[2 * i] + batches[2 * i + 1] for i in range(second - first)] == steps[first:second]
+
+    state, streams = resume_from(one, second, world_size=2, grad_accum_steps=1, num_workers=2)
+    rest = read_epoch(spec, 2, 2, 8, mode=mode, batches=total - second, state=state, streams=streams)
+    assert [rest[0][0][i] + rest[1][0][i] for i in range(total - second)] == steps[second:]
+
+
+def test_resume_that_cannot_keep_the_order_says_why(tmp_path):
+    spec = make_shards(tmp_path, 3, 64)
+    part = read_epoch(spec, 2, 1, 8, batches=3)  # 2 streams
+    merged = merge_states([loader.state_dict() for _, loader in part.values()])
+    layout = dict(step=3, mode="epoch", seed=0, data_streams=0, micro_batch_size=8, shuffle_buffer=16)
+    assert resume_state(merged, **layout, world_size=3, grad_accum_steps=1, num_workers=1)[2] == \
+        "2 data streams are not a multiple of the 3 micro-batches per step (3 ranks x 1 accumulation steps)"
+    assert "do not split over 2 workers" in resume_state(merged, **layout, world_size=2, grad_accum_steps=1,
+                                                         num_workers=2)[2]
+    assert resume_state(merged, **{**layout, "seed": 1}, world_size=2, grad_accum_steps=1, num_workers=1)[2] == \
+        "the data layout changed (seed 0 -> 1)"
 
 
 def test_resampled_mixes_sources_by_weight(tmp_path):

@@ -1,8 +1,12 @@
-"""Two "nodes" on loopback, each started by a launcher process of its own with one rank, against one node with
-two ranks: the same losses under ZeRO-3, one writer per file in the shared output_dir, each rank's data position
-saved and found again."""
+"""Two "nodes" on loopback, each started by a launcher process of its own, against one node: the same losses
+under ZeRO-3, one writer per file in the shared output_dir, each rank's data position saved and found again;
+Slurm's variables; ZeRO++'s hierarchical partitioning within a node; a master that cannot be reached."""
+import json
 import os
 import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -45,8 +49,8 @@ def run_nodes(commands, envs=None, timeout=300):
     return outs
 
 
-def torchrun_node(node_rank, port, args):
-    return [f"{BIN}/torchrun", "--nnodes", "2", "--node_rank", node_rank, "--nproc_per_node", "1",
+def torchrun_node(node_rank, port, args, ranks=1):
+    return [f"{BIN}/torchrun", "--nnodes", "2", "--node_rank", node_rank, "--nproc_per_node", ranks,
             "--master_addr", "127.0.0.1", "--master_port", port, "train.py", *args]
 
 
@@ -59,8 +63,9 @@ def test_two_torchrun_nodes_train_and_resume_as_one_node(node_args, one_node, tm
     assert "2 node(s) x 1" in first[0] and "done:" in first[0]
     assert "global batch" not in first[1]  # rank 1 (node 1) writes and prints nothing of the run's own
     ckpt = out / "checkpoints" / "step0000006"
-    assert sorted(f for f in os.listdir(ckpt) if f.startswith("data_state")) == \
-        ["data_state_rank00000.json", "data_state_rank00001.json"]  # each global rank's data position
+    state = json.loads((ckpt / "train_state.json").read_text())  # written by global rank 0 alone
+    assert state["world_size"] == 2 and state["step"] == 6
+    assert sorted(state["data"]["streams"]) == ["0", "1"]  # each rank's data stream, node 1's gathered to node 0
     port = free_port()
     second = run_nodes([torchrun_node(r, port, node_args + ["--output_dir", out, "--resume", "latest"]) for r in (0, 1)])
     assert "resumed from" in second[0] and "data order restarts" not in second[0]
@@ -101,3 +106,44 @@ def test_slurm_env_outside_a_job_is_one_error():
                           env={k: v for k, v in os.environ.items() if not k.startswith("SLURM_")})
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1].startswith("error: not inside a Slurm job step: SLURM_JOB_NODELIST")
+
+
+def test_zeropp_hierarchical_partitioning_on_two_nodes_of_two_ranks(debug_args, tmp_path):
+    """ZeRO++'s hpZ on 2 torchrun nodes of 2 ranks: ds_configs/zero3pp.json's zero_hpz_partition_size "auto" is
+    the 2 ranks per node, so each parameter's secondary partition stays within its node. The losses equal plain
+    ZeRO-3's on 1 rank accumulating 4 micro-batches (the same samples per step). Its quantized weights and
+    gradients run CUDA kernels: refused on CPU (tests/test_bad_input.py), run by benchmarks/gpu_check.sh."""
+    template = json.loads((Path(REPO) / "ds_configs" / "zero3pp.json").read_text())
+    template["zero_optimization"].update(zero_quantized_weights=False, zero_quantized_gradients=False)
+    hpz = tmp_path / "hpz.json"
+    hpz.write_text(json.dumps(template))
+    args = debug_args + ["--model", "vit-debug", "--zero_stage", 3, "--max_steps", 8, "--eval_every", 0,
+                         "--save_every", 0]
+    port = free_port()
+    outs = run_nodes([torchrun_node(r, port, args + ["--ds_config", hpz, "--output_dir", tmp_path / "hpz"], ranks=2)
+                      for r in (0, 1)])
+    assert "ZeRO-3 (hpZ over 2 ranks)" in outs[0] and "world size 4 (2 node(s) x 2" in outs[0]
+    launch(args + ["--grad_accum_steps", 4, "--output_dir", tmp_path / "plain"], launcher="python")
+    np.testing.assert_allclose([r["loss"] for r in read_metrics(tmp_path / "hpz")],
+                               [r["loss"] for r in read_metrics(tmp_path / "plain")], rtol=1e-5)
+
+
+def test_unreachable_master_is_one_error_within_the_timeout(debug_args, tmp_path):
+    """Node 1 of 2 started against a master address where nothing listens: one line naming the address and port,
+    within dist_timeout (plus the interpreter's start), exit 2. So is node 0 when no other node joins."""
+    port = free_port()  # bound and released: nothing listens there
+    args = [sys.executable, "train.py", *map(str, debug_args), "--max_steps", "2", "--dist_timeout", "4"]
+    for rank, message in ((1, f"error: rank 1 cannot reach the master at 127.0.0.1:{port} within 4 s (dist_timeout)"),
+                          (0, f"error: rank 0 could not form the process group through the master at "
+                              f"127.0.0.1:{port} within 4 s (dist_timeout)")):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        start = time.monotonic()
+        proc = subprocess.run(args + ["--output_dir", str(tmp_path / f"rank{rank}")], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=120)
+        elapsed = time.monotonic() - start
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and errors[0].startswith(message), proc.stderr[-2000:]
+        assert elapsed < 4 + 30, elapsed
+        assert not (tmp_path / f"rank{rank}").exists()  # nothing written

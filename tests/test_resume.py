@@ -42,5 +42,5 @@ def test_changed_data_layout_restarts_the_data_order_and_says_so(debug_args, tmp
     launch(args + ["--output_dir", tmp_path / "a"], launcher="python")
     proc = launch(args + ["--output_dir", tmp_path / "b", "--resume", tmp_path / "a" / "checkpoints" / "step0000002",
                           "--num_workers", "2"], launcher="python")
-    assert "data order restarts (the data layout changed (num_workers 1 -> 2))" in proc.stdout
+    assert "data order restarts (the 1 data streams per rank do not split over 2 workers" in proc.stdout
     assert [r["step"] for r in read_metrics(tmp_path / "b")] == [3, 4]

@@ -7,23 +7,10 @@ import tarfile
 import numpy as np
 import pytest
 import yaml
-from conftest import REPO, launch, read_metrics
+from conftest import MODELS, REPO, STAGES, read_metrics
 
-MODELS, STAGES = ("vit-debug", "swin-debug"), (1, 2, 3)
 GOLDEN = os.path.join(REPO, "tests", "golden", "vit-debug-zero2.json")
 GOLDEN_STEPS = 30  # steps held to the golden losses (see test_golden_losses)
-
-
-@pytest.fixture(scope="session")
-def stage_runs(debug_args, tmp_path_factory):
-    root = tmp_path_factory.mktemp("stages")
-    runs = {}
-    for model in MODELS:
-        for stage in STAGES:
-            out = root / f"{model}-zero{stage}"
-            launch(debug_args + ["--model", model, "--zero_stage", stage, "--output_dir", out])
-            runs[model, stage] = str(out)
-    return runs
 
 
 @pytest.mark.parametrize("model", MODELS)
