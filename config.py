@@ -59,6 +59,10 @@ class Config:
     save_every: int = 300  # DeepSpeed checkpoint every N optimizer steps (and at the end); 0 = only at the end
     output_dir: str = "runs/digits-vit"  # run directory: config, metrics.jsonl, TensorBoard, checkpoints, hf_model/
     seed: int = 0  # seeds the initial weights (per module, the same for any world size) and the data order
+    keep_last: int = 3  # complete checkpoints kept, newest first; 0 = all
+    keep_best: bool = True  # also keep the checkpoint with the best val top-1 (steps that save and evaluate)
+    min_free_gb: float = 0.0  # skip a checkpoint (with a warning, training goes on) that would leave less free disk than this
+    preempt_grace: float = 25.0  # seconds from SIGTERM/SIGUSR1 to exit: the step finishes and a checkpoint is written (launchers kill at 30)
     resume: str = ""  # "" = fresh run, "latest" = newest checkpoint in output_dir, or a checkpoint directory
     progress: bool = True  # tqdm progress bar on rank 0
 
@@ -150,13 +154,14 @@ def _check(cfg: Config):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"config key '{key}' must be positive, got {getattr(cfg, key)}")
     for key in ("patch_size", "num_workers", "data_streams", "warmup_steps", "eval_every", "save_every", "grad_clip",
-                "weight_decay", "randaug_n", "mixup", "cutmix"):
+                "weight_decay", "randaug_n", "mixup", "cutmix", "keep_last", "min_free_gb"):
         if getattr(cfg, key) < 0:
             raise ConfigError(f"config key '{key}' must be >= 0, got {getattr(cfg, key)}")
     if not 0 < cfg.crop_scale_min <= 1 or not 0 <= cfg.hflip <= 1 or not 0 <= cfg.randaug_m <= 10:
         raise ConfigError("crop_scale_min must be in (0, 1], hflip in [0, 1] and randaug_m in [0, 10]")
-    if cfg.dist_timeout <= 0:
-        raise ConfigError(f"config key 'dist_timeout' must be positive, got {cfg.dist_timeout}")
+    for key in ("dist_timeout", "preempt_grace"):
+        if getattr(cfg, key) <= 0:
+            raise ConfigError(f"config key '{key}' must be positive, got {getattr(cfg, key)}")
     if cfg.lr <= 0:
         raise ConfigError(f"config key 'lr' must be positive, got {cfg.lr}")
     if not cfg.output_dir:

@@ -7,12 +7,13 @@
     python train.py --max_steps 20                                       # one rank
 
 Every config key, its default and meaning is in config.py; `--key value` overrides the recipe.
-The run directory receives config.yaml, ds_config.json, ac_plan.json, metrics.jsonl, TensorBoard events (tb/),
-DeepSpeed checkpoints (checkpoints/) and, at the end, hf_model/ for `transformers.pipeline`.
+The run directory receives config.yaml, ds_config.json, ac_plan.json, hf_config/, metrics.jsonl, TensorBoard events
+(tb/), DeepSpeed checkpoints (checkpoints/) and, at the end, hf_model/ for `transformers.pipeline`.
 """
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 
@@ -27,8 +28,9 @@ from data.shards import DataError, parse_spec
 from data.transforms import EvalTransform, TrainTransform, mix_batch
 from engine.distributed import DistributedError, dist_env, exit_distributed, init_distributed
 from engine.memory import memory_profiler, memory_trace, peak_memory_bytes
+from engine.preemption import EXIT_PREEMPTED, Preemption
 from engine import compat
-from engine.checkpoint import find_resume, to_universal, write_state
+from engine.checkpoint import find_resume, remove_interrupted, save, to_universal
 from engine.parallelize import build_engine, build_training_model, engine_config
 from models import model_config
 from models.checkpointing import check_policy
@@ -112,8 +114,13 @@ def export_hf_model(engine, processor, out_dir: str, rank: int):
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # one shard: a bar says nothing
-        engine.module.save_pretrained(out_dir, state_dict=state_dict)
-        processor.save_pretrained(out_dir)
+        partial = out_dir + ".partial"  # renamed when complete: a kill mid-export leaves the previous export whole
+        shutil.rmtree(partial, ignore_errors=True)
+        engine.module.save_pretrained(partial, state_dict=state_dict)
+        processor.save_pretrained(partial)
+        if os.path.isdir(out_dir):
+            shutil.rmtree(out_dir)
+        os.rename(partial, out_dir)
     dist.barrier()
 
 
@@ -135,6 +142,14 @@ def full_state_dict(engine, rank: int) -> dict:
             if rank == 0:
                 state.update({f"{prefix}.{n}" if prefix else n: p.detach().cpu().clone() for n, p in own.items()})
     return state
+
+
+def _record_step(line: str) -> float:
+    """The step of a metrics.jsonl line; infinity for a blank or cut-off one (a kill mid-write), which is dropped."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return float("inf")
 
 
 def main(argv=None):
@@ -159,6 +174,9 @@ def main(argv=None):
             os.rmdir(cfg.output_dir)
         sys.exit(2)
     ckpt_dir = os.path.join(cfg.output_dir, "checkpoints")
+    preemption = Preemption(cfg.preempt_grace)  # SIGTERM/SIGUSR1: finish the step, checkpoint, exit
+    if rank == 0:
+        remove_interrupted(ckpt_dir)
     if resume and resume.universal:  # written by another number of ranks: resharded through the universal format
         if rank == 0:
             try:
@@ -185,6 +203,9 @@ def main(argv=None):
         sys.exit(2)
     engine, ac_plan, ds_config, precision, dtype = (built.engine, built.ac_plan, built.ds_config, built.precision,
                                                      built.dtype)
+    # the first checkpoint's size, for the disk check: weights in the model's precision, the fp32 master copy and
+    # Adam's two moments (later checks use the newest checkpoint's real size)
+    checkpoint_estimate = n_params * (dtype.itemsize + 12)
 
     # ------------------------------------------------------------------ resume
     start_step, data_state, data_streams = 0, None, cfg.data_streams
@@ -229,10 +250,12 @@ def main(argv=None):
             json.dump(ds_config, f, indent=2)
         with open(os.path.join(cfg.output_dir, "ac_plan.json"), "w") as f:
             json.dump(ac_plan, f, indent=1)
+        engine.module.config.save_pretrained(os.path.join(cfg.output_dir, "hf_config"))  # for export.py
+        processor.save_pretrained(os.path.join(cfg.output_dir, "hf_config"))
         metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
         if os.path.exists(metrics_path):  # drop records past the checkpoint we resumed from
             with open(metrics_path) as f:
-                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= start_step]
+                kept = [line for line in f if _record_step(line) <= start_step]
             with open(metrics_path, "w") as f:
                 f.writelines(kept)
         metrics_file = open(metrics_path, "a")
@@ -272,7 +295,7 @@ def main(argv=None):
         if device.type == "cpu" and step == start_step + 2:
             profiler = memory_profiler()
             prof = profiler.__enter__()
-        sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, skipped, padded
+        sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, skipped, padded, preemption requested
         for micro in range(cfg.grad_accum_steps):
             wait_start = time.perf_counter()
             images, labels, meta = next(train_batches)
@@ -288,14 +311,16 @@ def main(argv=None):
             loss = F.cross_entropy(logits, targets, label_smoothing=cfg.label_smoothing)
             engine.backward(loss)  # DeepSpeed divides by grad_accum_steps
             engine.step()  # optimizer and LR schedule advance only at the accumulation boundary
-            sums += torch.stack([loss.detach().double(), torch.tensor(meta["skipped"], dtype=torch.float64,
-                                 device=device), torch.tensor(meta["padded"], dtype=torch.float64, device=device)])
+            sums[:3] += torch.stack([loss.detach().double(), torch.tensor(meta["skipped"], dtype=torch.float64,
+                                     device=device), torch.tensor(meta["padded"], dtype=torch.float64, device=device)])
+        sums[3] = float(preemption.requested)  # read at the step's end: every rank stops after the same step
         if profiler is not None:
             profiler.__exit__(None, None, None)
             before, peak, _ = memory_trace(prof)
         dist.all_reduce(sums)  # also synchronises, so the step time below is complete
         step_loss = sums[0].item() / (cfg.grad_accum_steps * world_size)
-        data_totals += sums[1:]
+        data_totals += sums[1:3]
+        preempted = sums[3].item() > 0
         step_seconds = time.perf_counter() - step_start
         if step > start_step + 1 and profiler is None:  # step 1 allocates buffers and starts workers
             timed_images, timed_seconds = timed_images + images_per_step, timed_seconds + step_seconds
@@ -311,7 +336,7 @@ def main(argv=None):
         if per_epoch:
             record["data/epoch"] = train_batches.state["batches"] / per_epoch
 
-        if step == cfg.max_steps or (cfg.eval_every and step % cfg.eval_every == 0):
+        if not preempted and (step == cfg.max_steps or (cfg.eval_every and step % cfg.eval_every == 0)):
             top1, top5 = evaluate(engine, val_data(), dtype, device)
             record.update(val_top1=top1, val_top5=top5)
             if rank == 0:
@@ -321,14 +346,24 @@ def main(argv=None):
         bar.update()
 
         # -------------------------------------------------------------- checkpoint
-        if step == cfg.max_steps or (cfg.save_every and step % cfg.save_every == 0):
-            tag = f"step{step:07d}"
+        if preempted or step == cfg.max_steps or (cfg.save_every and step % cfg.save_every == 0):
             positions = [None] * world_size
             dist.all_gather_object(positions, train_batches.state_dict())
-            if rank == 0:  # before DeepSpeed moves `latest`: a checkpoint that `latest` names has its data position
-                os.makedirs(os.path.join(ckpt_dir, tag), exist_ok=True)
-                write_state(os.path.join(ckpt_dir, tag), step, world_size, cfg.zero_stage, merge_states(positions))
-            engine.save_checkpoint(ckpt_dir, tag=tag, client_state={"step": step})
+            state = {"step": step, "world_size": world_size, "zero_stage": cfg.zero_stage,
+                     "val_top1": record.get("val_top1"), "data": merge_states(positions)}
+            saved = save(engine, ckpt_dir, step, state, keep_last=cfg.keep_last, keep_best=cfg.keep_best,
+                         min_free_gb=cfg.min_free_gb, estimate_bytes=checkpoint_estimate,
+                         log=bar.write if rank == 0 else lambda *a: None)
+        if preempted:
+            if rank == 0:
+                bar.close()
+                metrics_file.close()
+                writer.close()
+                name = signal.Signals(preemption.signal).name if preemption.signal else "a signal on another rank"
+                print(f"preempted ({name}) after step {step}: " + (
+                    f"checkpoint step{step:07d} written; continue with --resume latest" if saved else
+                    "no checkpoint written (see above); --resume latest continues from the newest"), flush=True)
+            exit_distributed(EXIT_PREEMPTED)
     bar.close()
     if top1 is None:  # resumed at max_steps: nothing left to train, still report the model's accuracy
         top1, top5 = evaluate(engine, val_data(), dtype, device)

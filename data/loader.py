@@ -20,6 +20,7 @@ repeated or skipped. Whole shards are skipped by their sample counts when seekin
 """
 import io
 import random
+import signal
 import warnings
 from itertools import accumulate
 
@@ -269,6 +270,13 @@ class _ShardReader:
         return out
 
 
+def _ignore_stop_signals(_worker_id: int):
+    """Workers ignore SIGTERM and SIGUSR1, which a launcher or scheduler may send to every process: the training
+    process decides when to stop (it finishes its step first), and its workers end with it."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 class TrainLoader:
     """DataLoader over a ShardStream that tracks every stream's position for checkpoints."""
 
@@ -278,7 +286,8 @@ class TrainLoader:
         self.skipped = self.padded = 0
         self.loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=num_workers,
                                                   persistent_workers=num_workers > 0,
-                                                  pin_memory=torch.cuda.is_available())
+                                                  pin_memory=torch.cuda.is_available(),
+                                                  worker_init_fn=_ignore_stop_signals)
         self._it = None
 
     def __iter__(self):

@@ -1,13 +1,19 @@
-"""Checkpoints: which one a run resumes from, whether it fits this run's ranks, and resharding it if not.
+"""Checkpoints: saving them atomically, keeping a few, finding the one to resume, resharding it if needed.
 
-A checkpoint is DeepSpeed's directory `checkpoints/<tag>/` plus `train_state.json`, written by global rank 0
-before DeepSpeed moves `latest`: the step, the world size and ZeRO stage that wrote it, and the data position
-of every data stream. A checkpoint written by another number of ranks is converted once to DeepSpeed's
-universal format (`python -m deepspeed.checkpoint.ds_to_universal`) into `<tag>_universal/` beside it, and
-loaded with `"checkpoint": {"load_universal": true}`. The original is only read.
+A checkpoint is DeepSpeed's directory `checkpoints/step<N>/` plus `train_state.json`: the step, the world size
+and ZeRO stage that wrote it, its validation top-1 if the step was evaluated, and the data position of every
+data stream. Every rank writes into `step<N>.partial/`; once DeepSpeed's closing barrier says all files are
+complete, global rank 0 adds `train_state.json`, renames the directory to `step<N>` and moves `latest`. So a
+checkpoint is complete exactly when `step<N>/` exists, a crash at any moment leaves at worst a `.partial`
+directory (removed at the next start), and a resumed run takes the newest complete one.
+
+A checkpoint written by another number of ranks is converted once to DeepSpeed's universal format
+(`python -m deepspeed.checkpoint.ds_to_universal`) into `<tag>_universal/` beside it, and loaded with
+`"checkpoint": {"load_universal": true}`. The original is only read.
 """
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,6 +23,8 @@ from config import Config, ConfigError
 
 STATE_FILE = "train_state.json"
 UNIVERSAL_SUFFIX = "_universal"
+PARTIAL_SUFFIX = ".partial"
+STEP_TAG = re.compile(r"^step(\d+)$")
 
 
 @dataclass
@@ -46,12 +54,13 @@ def find_resume(cfg: Config, world_size: int) -> Resume | None:
     if not cfg.resume:
         return None
     if cfg.resume == "latest":
-        latest = os.path.join(ckpt_dir, "latest")
-        if not os.path.isfile(latest):
+        tag = newest_checkpoint(ckpt_dir)
+        if tag is None:
             return None
-        load_dir, tag = ckpt_dir, open(latest).read().strip()
+        load_dir = ckpt_dir
     elif os.path.isfile(os.path.join(cfg.resume, "latest")):  # a checkpoints directory
-        load_dir, tag = cfg.resume.rstrip("/"), open(os.path.join(cfg.resume, "latest")).read().strip()
+        load_dir = cfg.resume.rstrip("/")
+        tag = newest_checkpoint(load_dir)
     else:  # one checkpoint
         load_dir, tag = os.path.split(cfg.resume.rstrip("/"))
     path = os.path.join(load_dir, tag)
@@ -73,6 +82,103 @@ def find_resume(cfg: Config, world_size: int) -> Resume | None:
                           f"{state['world_size']} ranks wrote are missing ({', '.join(missing[:4])}"
                           f"{', ...' if len(missing) > 4 else ''})")
     return Resume(load_dir, tag, state, state["world_size"] != world_size)
+
+
+def complete_checkpoints(ckpt_dir: str) -> list[tuple[int, str]]:
+    """(step, tag) of every complete checkpoint in `ckpt_dir`, oldest first."""
+    if not os.path.isdir(ckpt_dir):
+        return []
+    found = ((STEP_TAG.match(name), name) for name in os.listdir(ckpt_dir))
+    return sorted((int(m.group(1)), name) for m, name in found
+                  if m and os.path.isfile(os.path.join(ckpt_dir, name, STATE_FILE)))
+
+
+def newest_checkpoint(ckpt_dir: str) -> str | None:
+    """The newest complete checkpoint's tag; DeepSpeed's `latest` for a directory this trainer did not write."""
+    complete = complete_checkpoints(ckpt_dir)
+    if complete:
+        return complete[-1][1]
+    latest = os.path.join(ckpt_dir, "latest")
+    return open(latest).read().strip() if os.path.isfile(latest) else None
+
+
+def remove_interrupted(ckpt_dir: str, log=print):
+    """Delete what an interrupted save or conversion left (`*.partial`); run by global rank 0 at the start."""
+    if not os.path.isdir(ckpt_dir):
+        return
+    for name in sorted(os.listdir(ckpt_dir)):
+        if name.endswith(PARTIAL_SUFFIX):
+            shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)
+            log(f"checkpoint: removed {name}, left by an interrupted save")
+
+
+def checkpoint_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def space_verdict(ckpt_dir: str, estimate_bytes: int, min_free_gb: float) -> str | None:
+    """Why the next checkpoint must not be written (the disk cannot hold it), or None. The need is the newest
+    checkpoint's size, or `estimate_bytes` before the first."""
+    complete = complete_checkpoints(ckpt_dir)
+    need = checkpoint_bytes(os.path.join(ckpt_dir, complete[-1][1])) if complete else estimate_bytes
+    free = shutil.disk_usage(ckpt_dir).free
+    keep = min_free_gb * 2**30
+    if free - need >= keep:
+        return None
+    return (f"it needs about {need / 2**30:.2f} GiB and {ckpt_dir} has {free / 2**30:.2f} GiB free"
+            + (f", of which {min_free_gb:g} GiB are kept free (min_free_gb)" if keep else ""))
+
+
+def save(engine, ckpt_dir: str, step: int, state: dict, *, keep_last: int, keep_best: bool, min_free_gb: float,
+         estimate_bytes: int, log=print) -> bool:
+    """Write checkpoint `step<step>` atomically (see the module's docstring) on every rank; False, with a line
+    saying why, when the disk cannot hold it: training goes on. `state`: train_state.json's contents."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    tag = f"step{step:07d}"
+    if rank == 0:
+        os.makedirs(ckpt_dir, exist_ok=True)
+    verdict = [space_verdict(ckpt_dir, estimate_bytes, min_free_gb) if rank == 0 else None]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0]:
+        log(f"warning: checkpoint {tag} not written: {verdict[0]}; training goes on")
+        return False
+    partial = os.path.join(ckpt_dir, tag + PARTIAL_SUFFIX)
+    # DeepSpeed's last act is a barrier: when it returns on rank 0, every rank's files are complete
+    engine.save_checkpoint(ckpt_dir, tag=tag + PARTIAL_SUFFIX, client_state={"step": step}, save_latest=False)
+    if rank == 0:
+        with open(os.path.join(partial, STATE_FILE), "w") as f:
+            json.dump(state, f)
+        final = os.path.join(ckpt_dir, tag)
+        if os.path.isdir(final):  # written before by a run that was resumed from an earlier checkpoint
+            shutil.rmtree(final)
+        os.rename(partial, final)
+        with open(os.path.join(ckpt_dir, "latest.tmp"), "w") as f:  # DeepSpeed's pointer, for its own tools
+            f.write(tag)
+        os.replace(os.path.join(ckpt_dir, "latest.tmp"), os.path.join(ckpt_dir, "latest"))
+        prune(ckpt_dir, keep_last, keep_best, log)
+    dist.barrier()
+    return True
+
+
+def prune(ckpt_dir: str, keep_last: int, keep_best: bool, log=print):
+    """Delete complete checkpoints beyond the newest `keep_last` (0: keep all), sparing the best by val top-1."""
+    complete = complete_checkpoints(ckpt_dir)
+    if not keep_last or len(complete) <= keep_last:
+        return
+    keep = {tag for _, tag in complete[-keep_last:]}
+    if keep_best:
+        scored = [(json.load(open(os.path.join(ckpt_dir, tag, STATE_FILE))).get("val_top1"), tag)
+                  for _, tag in complete]
+        scored = [(top1, tag) for top1, tag in scored if top1 is not None]
+        if scored:
+            keep.add(max(scored)[1])
+    for _, tag in complete:
+        if tag not in keep:
+            shutil.rmtree(os.path.join(ckpt_dir, tag), ignore_errors=True)
+            shutil.rmtree(os.path.join(ckpt_dir, tag + UNIVERSAL_SUFFIX), ignore_errors=True)
+            log(f"checkpoint: removed {tag} (keep_last {keep_last}{', keep_best' if keep_best else ''})")
 
 
 def missing_files(path: str, world_size: int, stage: int) -> list[str]:
@@ -119,6 +225,3 @@ def _world() -> str:
     return os.environ.get("WORLD_SIZE", "1")
 
 
-def write_state(path: str, step: int, world_size: int, zero_stage: int, data: dict):
-    with open(os.path.join(path, STATE_FILE), "w") as f:
-        json.dump({"step": step, "world_size": world_size, "zero_stage": zero_stage, "data": data}, f)

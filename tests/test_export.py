@@ -1,0 +1,38 @@
+"""export.py: a training checkpoint of any ZeRO stage becomes a Hugging Face directory whose logits equal those of
+the live model (the run's own export at the same step, hf_model/)."""
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO
+
+
+def logits(model_dir, images):
+    from transformers import AutoModelForImageClassification
+
+    model = AutoModelForImageClassification.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        return model(images).logits
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_checkpoint_exports_to_the_live_models_logits(stage_runs, tmp_path, stage):
+    run = stage_runs["vit-debug", stage]
+    out = tmp_path / "exported"
+    proc = subprocess.run([sys.executable, "export.py", f"{run}/checkpoints/step0000120", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"to {out}" in proc.stdout and not (tmp_path / "exported.partial").exists()
+    images = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(logits(out, images), logits(f"{run}/hf_model", images), rtol=0, atol=1e-6)
+
+    from transformers import pipeline
+    from PIL import Image
+
+    classify = pipeline("image-classification", model=str(out))
+    assert len(classify(Image.new("RGB", (16, 16)), top_k=3)) == 3
+
+    again = subprocess.run([sys.executable, "export.py", f"{run}/checkpoints/step0000120", str(out)], cwd=REPO,
+                           capture_output=True, text=True, timeout=60)
+    assert again.returncode == 2 and again.stderr.strip().endswith("exists: choose a new directory")
