@@ -50,6 +50,7 @@ class Config:
     weight_decay: float = 0.05  # AdamW decay; never applied to norms, biases, position embeddings, class token
     beta1: float = 0.9  # AdamW beta1
     beta2: float = 0.999  # AdamW beta2
+    max_bad_steps: int = 5  # stop after this many steps in a row with a non-finite loss or gradients (each is skipped)
     grad_clip: float = 1.0  # clip the global gradient norm to this; 0 = off
     label_smoothing: float = 0.1  # cross-entropy label smoothing (DeiT's 0.1)
     warmup_steps: int = 50  # linear warm-up from 0 to lr, in optimizer steps
@@ -149,7 +150,7 @@ def parse(argv=None) -> Config:
 
 
 def _check(cfg: Config):
-    positive = ("num_labels", "image_size", "micro_batch_size", "grad_accum_steps", "max_steps")
+    positive = ("num_labels", "image_size", "micro_batch_size", "grad_accum_steps", "max_steps", "max_bad_steps")
     for key in positive:
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"config key '{key}' must be positive, got {getattr(cfg, key)}")

@@ -11,6 +11,7 @@ The run directory receives config.yaml, ds_config.json, ac_plan.json, hf_config/
 (tb/), DeepSpeed checkpoints (checkpoints/) and, at the end, hf_model/ for `transformers.pipeline`.
 """
 import json
+import math
 import os
 import shutil
 import signal
@@ -26,7 +27,8 @@ from config import Config, ConfigError, parse, to_dict
 from data.loader import ShardStream, TrainLoader, check_streams, eval_batches, merge_states, resume_state
 from data.shards import DataError, parse_spec
 from data.transforms import EvalTransform, TrainTransform, mix_batch
-from engine.distributed import DistributedError, dist_env, exit_distributed, init_distributed
+from engine.distributed import (DistributedError, Heartbeat, dist_env, exit_distributed, exit_on_comm_errors,
+                                init_distributed)
 from engine.memory import memory_profiler, memory_trace, peak_memory_bytes
 from engine.preemption import EXIT_PREEMPTED, Preemption
 from engine import compat
@@ -37,6 +39,10 @@ from models.checkpointing import check_policy
 
 # a resumed run whose data layout changed starts a fresh data order, seeded by the seed and the step
 RESEED_STRIDE = 1_000_003
+EXIT_NONFINITE = 5  # max_bad_steps non-finite steps in a row, or a non-finite model at export
+EXIT_COLLECTIVE = 6  # a collective failed, or no progress for dist_timeout: another rank died or stalled
+# fault injection for tests and benchmarks/fault_inject.py: a comma-separated list of steps whose loss is made NaN
+INJECT_NAN_ENV = "TRAIN_INJECT_NAN_AT"
 
 
 def check_run(cfg: Config, world_size: int, rank: int):
@@ -107,10 +113,15 @@ def evaluate(engine, loader, dtype, device):
     return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
 
 
-def export_hf_model(engine, processor, out_dir: str, rank: int):
-    """A Hugging Face directory `pipeline("image-classification", model=out_dir)` loads."""
+def export_hf_model(engine, processor, out_dir: str, rank: int) -> bool:
+    """A Hugging Face directory `pipeline("image-classification", model=out_dir)` loads; False (and nothing
+    written) if a weight is not finite."""
     state_dict = full_state_dict(engine, rank)
-    if rank == 0:
+    bad = [k for k, v in state_dict.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        print(f"error: not exported: {len(bad)} weight tensors hold inf or NaN ({', '.join(bad[:3])}"
+              f"{', ...' if len(bad) > 3 else ''})", file=sys.stderr, flush=True)
+    elif rank == 0:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # one shard: a bar says nothing
@@ -121,7 +132,9 @@ def export_hf_model(engine, processor, out_dir: str, rank: int):
         if os.path.isdir(out_dir):
             shutil.rmtree(out_dir)
         os.rename(partial, out_dir)
-    dist.barrier()
+    exported = [not bad]
+    dist.broadcast_object_list(exported, src=0)  # only rank 0 holds the weights
+    return exported[0]
 
 
 def full_state_dict(engine, rank: int) -> dict:
@@ -174,10 +187,15 @@ def main(argv=None):
             os.rmdir(cfg.output_dir)
         sys.exit(2)
     ckpt_dir = os.path.join(cfg.output_dir, "checkpoints")
+    # a dead or stalled rank: the others stop within dist_timeout, with one line naming where each rank was
+    heartbeat = Heartbeat(rank, world_size, cfg.dist_timeout, EXIT_COLLECTIVE)
+    heartbeat.beat("starting")
+    exit_on_comm_errors(heartbeat)
     preemption = Preemption(cfg.preempt_grace)  # SIGTERM/SIGUSR1: finish the step, checkpoint, exit
     if rank == 0:
         remove_interrupted(ckpt_dir)
     if resume and resume.universal:  # written by another number of ranks: resharded through the universal format
+        heartbeat.beat("converting the checkpoint to the universal format")
         if rank == 0:
             try:
                 to_universal(resume)
@@ -189,9 +207,11 @@ def main(argv=None):
     # ------------------------------------------------------------------ model
     # the initial weights come from the seed alone; under ZeRO-3 every parameter is partitioned as it is created,
     # so no rank holds the whole model
+    heartbeat.beat("building the model")
     model, processor = build_training_model(cfg, ds_config, names)
     torch.manual_seed(cfg.seed)  # dropout and stochastic depth draw from here, however the model was built
     n_params = sum(compat.param_numel(p) for p in model.parameters())
+    heartbeat.beat("wrapping the model")
     try:  # activation checkpointing, then ZeRO, then torch.compile
         built = build_engine(model, cfg, world_size, device.type, log=print if rank == 0 else lambda *a: None,
                              load_universal=bool(resume and resume.universal))
@@ -212,6 +232,7 @@ def main(argv=None):
     if cfg.resume and resume is None and rank == 0:
         print(f"resume: no checkpoint in {ckpt_dir} yet, starting from step 0")
     if resume:
+        heartbeat.beat("loading the checkpoint")
         with compat.universal_load_keeps_group_settings(engine):
             path, client_state = engine.load_checkpoint(resume.load_dir, tag=resume.load_tag)
         if path is None:
@@ -272,6 +293,7 @@ def main(argv=None):
 
     def log(record: dict):
         if rank == 0:
+            record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
             for key, value in record.items():
@@ -287,7 +309,10 @@ def main(argv=None):
     top1 = top5 = None
     timed_images, timed_seconds, run_start = 0, 0.0, time.perf_counter()
     data_totals = torch.zeros(2, dtype=torch.float64, device=device)  # samples skipped, padded: all ranks
+    nan_at = {int(s) for s in os.environ.get(INJECT_NAN_ENV, "").split(",") if s.strip()}
+    bad_in_a_row = bad_total = 0
     for step in range(start_step + 1, cfg.max_steps + 1):
+        heartbeat.beat(f"step {step}")
         step_start, data_wait = time.perf_counter(), 0.0
         lr = engine.get_lr()[0]
         # one profiled step per run on CPU: its peak allocation is the CPU counterpart of the GPU allocator's peak
@@ -309,6 +334,8 @@ def main(argv=None):
             images, targets = mix_batch(images, labels, cfg.num_labels, cfg.mixup, cfg.cutmix, mix_rng)
             logits = engine(images.to(dtype)).logits.float()  # (B, num_labels)
             loss = F.cross_entropy(logits, targets, label_smoothing=cfg.label_smoothing)
+            if step in nan_at:
+                loss = loss * float("nan")
             engine.backward(loss)  # DeepSpeed divides by grad_accum_steps
             engine.step()  # optimizer and LR schedule advance only at the accumulation boundary
             sums[:3] += torch.stack([loss.detach().double(), torch.tensor(meta["skipped"], dtype=torch.float64,
@@ -325,8 +352,13 @@ def main(argv=None):
         if step > start_step + 1 and profiler is None:  # step 1 allocates buffers and starts workers
             timed_images, timed_seconds = timed_images + images_per_step, timed_seconds + step_seconds
         grad_norm = engine.get_global_grad_norm()
+        # DeepSpeed skips an optimizer step whose gradients are not finite (every ZeRO stage and precision; under
+        # fp16 that is also its loss scaler's normal work, so there only a non-finite loss counts)
+        nonfinite = not math.isfinite(step_loss) or (not engine.was_step_applied() and precision != "fp16")
+        bad_in_a_row, bad_total = (bad_in_a_row + 1 if nonfinite else 0), bad_total + nonfinite
         record = {"step": step, "loss": step_loss, "lr": lr,
                   "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                  "opt/nonfinite_steps": bad_total, "opt/skipped_steps": engine.skipped_steps,
                   "images_per_sec": images_per_step / step_seconds, "data_wait_frac": data_wait / step_seconds,
                   "peak_mem_bytes": peak_memory_bytes(), "data/skipped": int(data_totals[0]),
                   "data/padded": int(data_totals[1]), "ac/activation_bytes": ac_plan["activation_bytes_planned"],
@@ -337,16 +369,28 @@ def main(argv=None):
             record["data/epoch"] = train_batches.state["batches"] / per_epoch
 
         if not preempted and (step == cfg.max_steps or (cfg.eval_every and step % cfg.eval_every == 0)):
+            heartbeat.beat(f"step {step}, evaluating")
             top1, top5 = evaluate(engine, val_data(), dtype, device)
             record.update(val_top1=top1, val_top5=top5)
             if rank == 0:
                 bar.write(f"step {step}: val top-1 {top1:.2%} top-5 {top5:.2%}")
         log(record)
+        if bad_in_a_row >= cfg.max_bad_steps:  # every rank sees the same all-reduced loss and skipped step
+            if rank == 0:
+                bar.close()
+                metrics_file.close()
+                writer.close()
+                print(f"error: step {step}: the loss or the gradients were not finite in {bad_in_a_row} steps in a row "
+                      f"(max_bad_steps), each one skipped; the weights are those of step {step - bad_in_a_row}. "
+                      f"Look for bad data or a too high lr, then resume from the newest checkpoint",
+                      file=sys.stderr, flush=True)
+            exit_distributed(EXIT_NONFINITE)
         bar.set_postfix(loss=f"{step_loss:.4f}", img_s=f"{record['images_per_sec']:.0f}", refresh=False)
         bar.update()
 
         # -------------------------------------------------------------- checkpoint
         if preempted or step == cfg.max_steps or (cfg.save_every and step % cfg.save_every == 0):
+            heartbeat.beat(f"step {step}, saving")
             positions = [None] * world_size
             dist.all_gather_object(positions, train_batches.state_dict())
             state = {"step": step, "world_size": world_size, "zero_stage": cfg.zero_stage,
@@ -370,7 +414,8 @@ def main(argv=None):
 
     # ------------------------------------------------------------------ export and summary
     hf_dir = os.path.join(cfg.output_dir, "hf_model")
-    export_hf_model(engine, processor, hf_dir, rank)
+    if not export_hf_model(engine, processor, hf_dir, rank):
+        exit_distributed(EXIT_NONFINITE)
     if rank == 0:
         metrics_file.close()
         writer.close()

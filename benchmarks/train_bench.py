@@ -1,7 +1,7 @@
 """Throughput and peak memory: DeepSpeed ZeRO 1-3 with this project's activation checkpointing, against
 plain PyTorch FSDP2 with Hugging Face's own checkpointing. One command per suite:
 
-    .venv/bin/python benchmarks/train_bench.py --suite cpu-smoke   # ~2 min: checks the harness (a test runs it)
+    .venv/bin/python benchmarks/train_bench.py --suite cpu-smoke   # ~80 s: checks the harness (a test runs it)
     .venv/bin/python benchmarks/train_bench.py --suite cpu         # ~60 min on 2 cores: the committed results
     .venv/bin/python benchmarks/train_bench.py --suite gpu         # one 8-GPU node, bf16 (not run here)
     .venv/bin/python benchmarks/train_bench.py --suite gpu-small   # one GPU, ViT-L, one repeat: a check
@@ -90,7 +90,7 @@ SUITES = {
         shapes=[Shape("vit-debug", 16, 0, 8, "vit-debug, 16x16, batch 8 per rank")],
         runs={"*": [fsdp2("none"), fsdp2("full"), *zero(1, "none"), *zero(3, "none", "selective", "full"),
                     *zero(3, "auto:f0.5")]},
-        repeats=3, profiled_steps=2, warmup_steps=1, timed_steps=2, timeout_s=180, targets_shape="vit-debug"),
+        repeats=2, profiled_steps=2, warmup_steps=1, timed_steps=2, timeout_s=180, targets_shape="vit-debug"),
     "cpu": Suite(
         shapes=[VIT_S, SWIN_T],
         runs={VIT_S.label: [fsdp2("none"), fsdp2("full"), fsdp2("every_n:2"), fsdp2("none", False),

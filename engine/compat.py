@@ -167,6 +167,14 @@ def zero3_gathered_bytes(module: torch.nn.Module) -> int:
                if getattr(p, "ds_status", ZeroParamStatus.NOT_AVAILABLE) != ZeroParamStatus.NOT_AVAILABLE)
 
 
+def default_store():
+    """The key-value store the default process group was formed through (TCPStore on the master)."""
+    _require("torch", TORCH_SERIES, "default_store")
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
 def zero3_hpz_ranks(module: torch.nn.Module) -> int:
     """Ranks ZeRO++'s hierarchical partitioning (hpZ) keeps each parameter's secondary partition over; 1 when off."""
     _require("deepspeed", DEEPSPEED_SERIES, "zero3_hpz_ranks")

@@ -6,6 +6,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 
 import torch
@@ -108,3 +109,73 @@ def exit_distributed(code: int = 0):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+# markers of a failed collective in the errors gloo and NCCL raise (plain RuntimeErrors from gloo)
+COMM_ERROR_MARKERS = ("gloo", "NCCL", "Timed out", "Connection closed by peer", "Connection reset by peer")
+
+
+def is_comm_error(e: BaseException) -> bool:
+    return isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and
+                                             any(m in str(e) for m in COMM_ERROR_MARKERS))
+
+
+class Heartbeat:
+    """Every rank records what it is doing (the step) in the process group's store; when a collective fails, or
+    this rank makes no progress for `timeout_s`, the report says where each rank last was, which names the rank
+    that died or stalled.
+
+    The watchdog is this rank's own clock, not the backend's: DeepSpeed's shared-memory all-reduce (CPU ranks on
+    one node) waits for a stalled peer without any timeout, and a hung NCCL kernel may not raise either.
+    """
+
+    def __init__(self, rank: int, world_size: int, timeout_s: float, exit_code: int):
+        from engine.compat import default_store
+
+        self.store, self.rank, self.world_size = default_store(), rank, world_size
+        self.what, self.since = "starting", time.monotonic()
+        self.timeout_s, self.exit_code = timeout_s, exit_code
+        threading.Thread(target=self._watch, daemon=True, name="heartbeat").start()
+
+    def beat(self, what: str):
+        self.what, self.since = what, time.monotonic()
+        self.store.set(f"heartbeat/{self.rank}", what)
+
+    def _watch(self):
+        while True:
+            time.sleep(min(5.0, self.timeout_s / 4))
+            stuck = time.monotonic() - self.since
+            if stuck > self.timeout_s:
+                self.fail(f"no progress for {stuck:.0f} s at '{self.what}' (dist_timeout {self.timeout_s:g} s)")
+
+    def fail(self, what: str):
+        print(f"error: rank {self.rank}: {what}. Where the ranks last reported: {self.report()}. Another rank died or "
+              f"stalled (out of memory, a hung data read, a lost node): one behind the others, or the first whose "
+              f"own log stops", file=sys.stderr, flush=True)
+        os._exit(self.exit_code)
+
+    def report(self, timeout_s: float = 5.0) -> str:
+        try:
+            self.store.set_timeout(datetime.timedelta(seconds=timeout_s))
+            seen = []
+            for r in range(self.world_size):
+                key = f"heartbeat/{r}"
+                seen.append(f"rank {r}: {self.store.get(key).decode() if self.store.check([key]) else 'not started'}")
+            return "; ".join(seen)
+        except Exception:  # the store's host is the one that stopped
+            return "the master's store did not answer within 5 s: its host (rank 0's node) is the one that stopped"
+
+
+def exit_on_comm_errors(heartbeat: Heartbeat):
+    """From here on, an uncaught error of a collective (a rank died, stalled past dist_timeout, or lost its network)
+    prints one line saying where every rank was and exits with the heartbeat's code; other errors keep their
+    traceback."""
+    default = sys.excepthook
+
+    def hook(kind, value, tb):
+        if not is_comm_error(value):
+            return default(kind, value, tb)
+        first = str(value).strip().splitlines()[0] if str(value).strip() else kind.__name__
+        heartbeat.fail(f"a collective failed ({first})")
+
+    sys.excepthook = hook

@@ -1,4 +1,4 @@
-"""The benchmark harness, end to end: the cpu-smoke suite as its own command runs it (~2 min)."""
+"""The benchmark harness, end to end: the cpu-smoke suite as its own command runs it (~80 s)."""
 import csv
 import json
 import os
@@ -15,7 +15,7 @@ def test_cpu_smoke_suite(tmp_path):
     rows = {r["config"]: r for r in csv.DictReader(open(tmp_path / "results.csv"))}
     assert set(rows) == {"FSDP2 + no AC", "FSDP2 + HF full AC", "ZeRO-1 + none", "ZeRO-3 + none",
                          "ZeRO-3 + selective", "ZeRO-3 + full", "ZeRO-3 + auto:f0.5"}
-    assert all(r["jobs_ok"] == "3" and r["jobs_failed"] == "0" for r in rows.values())
+    assert all(r["jobs_ok"] == "2" and r["jobs_failed"] == "0" for r in rows.values())
     # same seed, same batches: every engine and policy reaches the same loss (fp32 summation order aside)
     assert all(float(r["loss_rel_diff"]) < 1e-5 for r in rows.values())
     # measured, not copied from a plan: activations kept by the forward shrink with recompute

@@ -3,6 +3,7 @@ atomic, pruned and refused when the disk cannot hold them. Each interrupted run 
 `--resume latest` and compared with the uninterrupted 2-rank reference of the same seed (conftest.stage_runs)."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import numpy as np
 from conftest import BIN, REPO, free_port, launch, read_metrics
 
 from engine.preemption import DUPLICATE_WINDOW_S, EXIT_GRACE_EXPIRED, EXIT_PREEMPTED
+from train import EXIT_COLLECTIVE, EXIT_NONFINITE
 
 
 def start(args):
@@ -92,17 +94,18 @@ def test_sigterm_finishes_the_step_checkpoints_and_resumes_exactly(stage_runs, d
 
 
 def test_second_signal_exits_at_once_and_grace_bounds_the_wait(debug_args, tmp_path):
-    """One rank (plain python) with a step of a few seconds (ViT-Tiny at 224 px, 64 images), signalled mid-step.
-    SIGUSR1: the step finishes, its checkpoint is written, exit EXIT_PREEMPTED. SIGUSR1, then SIGTERM after the
-    duplicate window: the second signal ends the process at once. SIGUSR1 with a 1 s grace: the step outlasts it, and the run exits with
-    EXIT_GRACE_EXPIRED and one line, without a checkpoint."""
+    """One rank (plain python), signalled mid-step. SIGUSR1: the step finishes, its checkpoint is written, exit
+    EXIT_PREEMPTED. With a step of a few seconds (ViT-Tiny, 112 px, 192 images): SIGUSR1, then SIGTERM after the
+    duplicate window, ends the process at once; SIGUSR1 with a 1 s grace exits with EXIT_GRACE_EXPIRED and one
+    line, without a checkpoint."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    args = [sys.executable, "train.py", *map(str, debug_args), "--model", "vit-tiny", "--image_size", 224,
-            "--micro_batch_size", 64, "--eval_every", 0, "--save_every", 0, "--preempt_grace", 1]
+    args = [sys.executable, "train.py", *map(str, debug_args), "--eval_every", 0, "--save_every", 0]
+    slow = ["--model", "vit-tiny", "--image_size", 112, "--micro_batch_size", 192]  # ~4 s per step here
     for case in ("checkpoint", "second signal", "grace"):
         run = tmp_path / case.replace(" ", "-")
-        grace = ["--preempt_grace", 60] if case != "grace" else []
-        proc = subprocess.Popen([*map(str, args), *map(str, grace), "--output_dir", run], cwd=REPO, env=env,
+        extra = {"checkpoint": ["--model", "vit-debug", "--preempt_grace", 60], "second signal": slow + [
+            "--preempt_grace", 60], "grace": slow + ["--preempt_grace", 1]}[case]
+        proc = subprocess.Popen([*map(str, args), *map(str, extra), "--output_dir", run], cwd=REPO, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         wait_for(lambda: steps_logged(run) >= 2, proc)  # step 3 has begun (step 2 is the profiled one on CPU)
         start = time.monotonic()
@@ -115,8 +118,9 @@ def test_second_signal_exits_at_once_and_grace_bounds_the_wait(debug_args, tmp_p
         elapsed = time.monotonic() - start
         if case == "checkpoint":  # the step finishes, its checkpoint is written, the exit says so
             assert proc.returncode == EXIT_PREEMPTED, err[-2000:]
-            assert "preempted (SIGUSR1) after step 3: checkpoint step0000003 written" in out
-            assert (run / "checkpoints" / "step0000003" / "train_state.json").exists()
+            step = int(out.split("preempted (SIGUSR1) after step ")[1].split(":")[0])
+            assert f"checkpoint step{step:07d} written; continue with --resume latest" in out
+            assert (run / "checkpoints" / f"step{step:07d}" / "train_state.json").exists()
             continue
         if case == "second signal":
             assert proc.returncode == 128 + signal.SIGTERM and elapsed < 1, (proc.returncode, elapsed, err[-2000:])
@@ -135,3 +139,80 @@ def test_a_checkpoint_the_disk_cannot_hold_is_skipped_and_training_goes_on(debug
     assert "done:" in proc.stdout and len(read_metrics(tmp_path / "run")) == 4
     assert not any((tmp_path / "run" / "checkpoints").glob("step*"))
     assert len(json.loads((tmp_path / "run" / "hf_model" / "config.json").read_text())["id2label"]) == 10
+
+
+def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(debug_args, tmp_path):
+    """NaN injected into the loss of steps 5 and 6 (TRAIN_INJECT_NAN_AT): both steps are skipped on every rank,
+    counted, and logged as null; the LR schedule does not advance over them, and the run finishes and exports.
+    Injected into 3 steps in a row with max_bad_steps 3: the run stops there with EXIT_NONFINITE and one line."""
+    args = debug_args + ["--model", "vit-debug", "--zero_stage", 3, "--max_steps", 10, "--eval_every", 0,
+                         "--save_every", 0]
+    env = dict(os.environ, TRAIN_INJECT_NAN_AT="5,6")
+    run = tmp_path / "skipped"
+    proc = subprocess.run([f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "train.py",
+                           *map(str, args + ["--output_dir", run])], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env=dict(env, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = read_metrics(run)
+    assert [r["loss"] is None for r in records] == [False] * 4 + [True] * 2 + [False] * 4
+    assert [r["opt/nonfinite_steps"] for r in records] == [0] * 4 + [1, 2] + [2] * 4
+    assert records[6]["lr"] == records[4]["lr"]  # step 7 takes the LR step 5 would have had
+    assert (run / "hf_model" / "model.safetensors").exists()
+    for stage in (1, 2):  # DeepSpeed's ZeRO-1/2 optimizer skips them too (one rank is enough to show it)
+        run = tmp_path / f"skipped-zero{stage}"
+        subprocess.run([sys.executable, "train.py", *map(str, args + ["--zero_stage", stage, "--output_dir", run])],
+                       cwd=REPO, capture_output=True, timeout=120, check=True,
+                       env=dict(env, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+        records = read_metrics(run)
+        assert [r["opt/skipped_steps"] for r in records] == [0] * 4 + [1, 2] + [2] * 4
+        assert records[6]["lr"] == records[4]["lr"]
+
+    env["TRAIN_INJECT_NAN_AT"] = "3,4,5,6"
+    run = tmp_path / "stopped"
+    proc = subprocess.run([sys.executable, "train.py", *map(str, args + ["--max_bad_steps", 3, "--output_dir", run])],
+                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=dict(env, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    assert proc.returncode == EXIT_NONFINITE, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "error: step 5: the loss or the gradients were not finite in 3 steps in a row (max_bad_steps), each one "
+        "skipped; the weights are those of step 2")
+    assert len(read_metrics(run)) == 5 and not (run / "hf_model").exists()
+
+
+def test_a_stalled_rank_fails_the_job_within_the_timeout_and_is_named(debug_args, tmp_path):
+    """Rank 1 stopped (SIGSTOP) mid-run: rank 0, waiting in DeepSpeed's shared-memory all-reduce (which has no
+    timeout), stops within dist_timeout with one line saying where each rank last reported (rank 1 not ahead of
+    it), and exits EXIT_COLLECTIVE; the launcher then ends the job (rank 1 is continued so that it can be
+    terminated at once)."""
+    import psutil
+
+    run = tmp_path / "run"
+    out = open(tmp_path / "out.log", "w")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    args = debug_args + ["--model", "vit-debug", "--max_steps", 100000, "--eval_every", 0, "--save_every", 0,
+                         "--dist_timeout", 6, "--output_dir", run]
+    proc = subprocess.Popen([f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "train.py",
+                             *map(str, args)],
+                            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(lambda: steps_logged(run) >= 20, proc)
+        rank1 = next(p for p in psutil.Process(proc.pid).children(recursive=True)
+                     if "--local_rank=1" in p.cmdline())
+        rank1.suspend()
+        stopped = time.monotonic()
+        log = lambda: open(tmp_path / "out.log").read()  # noqa: E731
+        while "error: rank 0: " not in log():
+            assert time.monotonic() - stopped < 6 + 30, log()[-3000:]
+            time.sleep(0.2)
+        elapsed = time.monotonic() - stopped
+        rank1.resume()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    line = next(line for line in log().splitlines() if line.startswith("error: rank 0: "))
+    assert "Where the ranks last reported: rank 0: step" in line and "; rank 1: step" in line, line
+    steps = dict(re.findall(r"rank (\d): step (\d+)", line.split("last reported: ")[1]))
+    assert int(steps["1"]) <= int(steps["0"]), line  # the stalled rank is not ahead
+    assert proc.returncode != 0 and elapsed < 6 + 15, (proc.returncode, elapsed)
+    assert f"exits with return code = {EXIT_COLLECTIVE}" in log()
