@@ -10,17 +10,20 @@ import sys
 import time
 
 import numpy as np
+import pytest
 from conftest import BIN, REPO, free_port, launch, read_metrics
 
 from engine.preemption import DUPLICATE_WINDOW_S, EXIT_GRACE_EXPIRED, EXIT_PREEMPTED
 from train import EXIT_COLLECTIVE, EXIT_NONFINITE
 
 
-def start(args):
-    """A 2-rank DeepSpeed job in its own process group, as a scheduler would see it."""
+def start(args, launcher="deepspeed"):
+    """A 2-rank job in its own process group, as a scheduler would see it."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env.pop("RANK", None)
-    cmd = [f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "train.py", *map(str, args)]
+    port = str(free_port())
+    cmd = ([f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", port] if launcher == "deepspeed" else
+           [f"{BIN}/torchrun", "--nproc_per_node", "2", "--master_port", port]) + ["train.py", *map(str, args)]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
@@ -40,17 +43,27 @@ def steps_logged(run_dir):
         return 0
 
 
-def test_kill_9_mid_run_resumes_exactly(stage_runs, debug_args, tmp_path):
-    """kill -9 of the whole job after its step-40 checkpoint; an interrupted save (a .partial directory) and a
-    metrics line cut mid-write are left behind as a kill leaves them. The relaunch removes the first, drops the
-    second, resumes from step 40 and reproduces the reference's losses bitwise; keep_last 2 + keep_best prune."""
+@pytest.mark.parametrize("victim", ["job", "rank 1"])
+def test_kill_9_mid_run_resumes_exactly(stage_runs, debug_args, tmp_path, victim):
+    """kill -9 of the whole job, or of rank 1 alone (DeepSpeed's launcher then ends the job: it signals rank 0,
+    which cannot finish its step without rank 1 and exits after its 2 s grace), after the step-40 checkpoint; an
+    interrupted save (a .partial directory) and a metrics line cut mid-write are left behind as a kill leaves
+    them. The relaunch removes the first, drops the second, resumes from step 40 and reproduces the reference's
+    losses bitwise; keep_last 2 + keep_best prune."""
+    import psutil
+
     run = tmp_path / "run"
     args = debug_args + ["--model", "vit-debug", "--zero_stage", 2, "--save_every", 20, "--keep_last", 2,
-                         "--output_dir", run]
+                         "--preempt_grace", 2, "--output_dir", run]
     proc = start(args)
     wait_for(lambda: (run / "checkpoints" / "step0000040" / "train_state.json").exists(), proc)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    if victim == "job":
+        os.killpg(proc.pid, signal.SIGKILL)
+    else:
+        next(p for p in psutil.Process(proc.pid).children(recursive=True) if "--local_rank=1" in p.cmdline()).kill()
+    out = proc.communicate(timeout=90)[0]
+    assert proc.returncode != 0, out[-3000:]
+    assert not (run / "checkpoints" / "step0000060").exists()  # no complete checkpoint after the kill
     ckpts = run / "checkpoints"
     (ckpts / "step0000060.partial").mkdir(exist_ok=True)  # what a kill mid-save leaves
     (ckpts / "step0000060.partial" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"cut")
@@ -70,13 +83,14 @@ def test_kill_9_mid_run_resumes_exactly(stage_runs, debug_args, tmp_path):
     assert kept == sorted({"step0000100", "step0000120", f"step{best:07d}"})
 
 
-def test_sigterm_finishes_the_step_checkpoints_and_resumes_exactly(stage_runs, debug_args, tmp_path):
-    """SIGTERM to every process of the job, as Slurm's scancel and Kubernetes send it: the ranks finish their step,
-    write a checkpoint of it together and exit with EXIT_PREEMPTED (DeepSpeed's launcher then exits 1); the
-    relaunch continues bitwise."""
+@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
+def test_sigterm_finishes_the_step_checkpoints_and_resumes_exactly(stage_runs, debug_args, tmp_path, launcher):
+    """SIGTERM to every process of the job, as Slurm's scancel and Kubernetes send it (the launcher passes it on
+    to the ranks as well: the same request twice): the ranks finish their step, write a checkpoint of it together
+    and exit with EXIT_PREEMPTED (the launcher then exits non-zero); the relaunch continues bitwise."""
     run = tmp_path / "run"
     args = debug_args + ["--model", "vit-debug", "--zero_stage", 3, "--output_dir", run]
-    proc = start(args)
+    proc = start(args, launcher)
     wait_for(lambda: steps_logged(run) >= 12, proc)
     os.killpg(proc.pid, signal.SIGTERM)
     out = proc.communicate(timeout=120)[0]
