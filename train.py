@@ -41,7 +41,7 @@ from models.checkpointing import check_policy
 RESEED_STRIDE = 1_000_003
 EXIT_NONFINITE = 5  # max_bad_steps non-finite steps in a row, or a non-finite model at export
 EXIT_COLLECTIVE = 6  # a collective failed, or no progress for dist_timeout: another rank died or stalled
-# fault injection for tests and benchmarks/fault_inject.py: a comma-separated list of steps whose loss is made NaN
+# fault injection for the tests: a comma-separated list of steps whose loss is made NaN
 INJECT_NAN_ENV = "TRAIN_INJECT_NAN_AT"
 
 
@@ -198,7 +198,7 @@ def main(argv=None):
         heartbeat.beat("converting the checkpoint to the universal format")
         if rank == 0:
             try:
-                to_universal(resume)
+                to_universal(resume, world_size)
             except ConfigError as e:
                 print(f"error: {e}", file=sys.stderr, flush=True)
                 os._exit(2)  # the other ranks wait in the barrier below; the launcher ends them
@@ -291,6 +291,12 @@ def main(argv=None):
               f"micro x {cfg.grad_accum_steps} accum x {world_size} ranks | steps {start_step}->{cfg.max_steps} | "
               f"data {cfg.data_mode}" + (f", {per_epoch // cfg.grad_accum_steps} steps per epoch" if per_epoch else ""))
 
+    def close_logs():
+        if rank == 0:
+            bar.close()
+            metrics_file.close()
+            writer.close()
+
     def log(record: dict):
         if rank == 0:
             record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
@@ -376,10 +382,8 @@ def main(argv=None):
                 bar.write(f"step {step}: val top-1 {top1:.2%} top-5 {top5:.2%}")
         log(record)
         if bad_in_a_row >= cfg.max_bad_steps:  # every rank sees the same all-reduced loss and skipped step
+            close_logs()
             if rank == 0:
-                bar.close()
-                metrics_file.close()
-                writer.close()
                 print(f"error: step {step}: the loss or the gradients were not finite in {bad_in_a_row} steps in a row "
                       f"(max_bad_steps), each one skipped; the weights are those of step {step - bad_in_a_row}. "
                       f"Look for bad data or a too high lr, then resume from the newest checkpoint",
@@ -399,10 +403,8 @@ def main(argv=None):
                          min_free_gb=cfg.min_free_gb, estimate_bytes=checkpoint_estimate,
                          log=bar.write if rank == 0 else lambda *a: None)
         if preempted:
+            close_logs()
             if rank == 0:
-                bar.close()
-                metrics_file.close()
-                writer.close()
                 name = signal.Signals(preemption.signal).name if preemption.signal else "a signal on another rank"
                 print(f"preempted ({name}) after step {step}: " + (
                     f"checkpoint step{step:07d} written; continue with --resume latest" if saved else

@@ -196,14 +196,14 @@ def missing_files(path: str, world_size: int, stage: int) -> list[str]:
     return missing
 
 
-def to_universal(resume: Resume, log=print):
+def to_universal(resume: Resume, world_size: int, log=print):
     """Write `<tag>_universal` beside the checkpoint unless it is there already (run on one rank). The conversion
     goes to a temporary directory renamed at the end, so an interrupted one is never taken for a finished one."""
     out = resume.path + UNIVERSAL_SUFFIX
     if os.path.isdir(out):
-        log(f"resume: {resume.state['world_size']} -> {_world()} ranks: loading the universal checkpoint {out}")
+        log(f"resume: {resume.state['world_size']} -> {world_size} ranks: loading the universal checkpoint {out}")
         return
-    log(f"resume: checkpoint written by {resume.state['world_size']} ranks, this run has {_world()}: converting it "
+    log(f"resume: checkpoint written by {resume.state['world_size']} ranks, this run has {world_size}: converting it "
         f"to DeepSpeed's universal format in {out} (the original is not modified; the same by hand: "
         f"{resume.convert_command()})")
     tmp = out + ".partial"
@@ -219,9 +219,5 @@ def to_universal(resume: Resume, log=print):
     os.rename(tmp, out)
     with open(os.path.join(resume.load_dir, "latest_universal"), "w") as f:  # ds_to_universal named the tmp dir
         f.write(os.path.basename(out))
-
-
-def _world() -> str:
-    return os.environ.get("WORLD_SIZE", "1")
 
 
