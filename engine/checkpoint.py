@@ -20,6 +20,8 @@ import sys
 from dataclasses import dataclass
 
 from config import Config, ConfigError
+from engine import compat
+from engine.distributed import is_comm_error
 
 STATE_FILE = "train_state.json"
 UNIVERSAL_SUFFIX = "_universal"
@@ -116,6 +118,13 @@ def checkpoint_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
+def size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.2f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1024
+
+
 def space_verdict(ckpt_dir: str, estimate_bytes: int, min_free_gb: float) -> str | None:
     """Why the next checkpoint must not be written (the disk cannot hold it), or None. The need is the newest
     checkpoint's size, or `estimate_bytes` before the first."""
@@ -125,14 +134,14 @@ def space_verdict(ckpt_dir: str, estimate_bytes: int, min_free_gb: float) -> str
     keep = min_free_gb * 2**30
     if free - need >= keep:
         return None
-    return (f"it needs about {need / 2**30:.2f} GiB and {ckpt_dir} has {free / 2**30:.2f} GiB free"
+    return (f"it needs about {size(need)} and {ckpt_dir} has {size(free)} free"
             + (f", of which {min_free_gb:g} GiB are kept free (min_free_gb)" if keep else ""))
 
 
 def save(engine, ckpt_dir: str, step: int, state: dict, *, keep_last: int, keep_best: bool, min_free_gb: float,
          estimate_bytes: int, log=print) -> bool:
     """Write checkpoint `step<step>` atomically (see the module's docstring) on every rank; False, with a line
-    saying why, when the disk cannot hold it: training goes on. `state`: train_state.json's contents."""
+    saying why, when the disk cannot hold it (checked before writing) or a rank's write fails: training goes on. `state`: train_state.json's contents."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -145,21 +154,62 @@ def save(engine, ckpt_dir: str, step: int, state: dict, *, keep_last: int, keep_
         log(f"warning: checkpoint {tag} not written: {verdict[0]}; training goes on")
         return False
     partial = os.path.join(ckpt_dir, tag + PARTIAL_SUFFIX)
-    # DeepSpeed's last act is a barrier: when it returns on rank 0, every rank's files are complete
-    engine.save_checkpoint(ckpt_dir, tag=tag + PARTIAL_SUFFIX, client_state={"step": step}, save_latest=False)
+    # DeepSpeed's last act is a barrier: when it returns on rank 0, every rank's files are complete. A rank whose
+    # write fails (a full disk, a lost mount) joins the collectives that follow the writes itself.
+    failure = ""
+    try:
+        engine.save_checkpoint(ckpt_dir, tag=tag + PARTIAL_SUFFIX, client_state={"step": step}, save_latest=False)
+    except (OSError, RuntimeError) as e:
+        if is_comm_error(e):
+            raise
+        failure = write_failure(e, ckpt_dir)
+        compat.close_failed_save(engine)
+    failures = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failure)
+    failed = [f"rank {r}: {f}" for r, f in enumerate(failures) if f]
+    if rank == 0 and not failed:
+        try:
+            finish(ckpt_dir, tag, state)
+        except OSError as e:
+            failed = [f"rank 0: {write_failure(e, ckpt_dir)}"]
+    failed = [failed]
+    dist.broadcast_object_list(failed, src=0)
+    if failed[0]:
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+            log(f"warning: checkpoint {tag} not written ({'; '.join(failed[0])}); its partial files are removed, "
+                f"the newest complete checkpoint stays the one to resume, training goes on")
+        return False
     if rank == 0:
-        with open(os.path.join(partial, STATE_FILE), "w") as f:
-            json.dump(state, f)
-        final = os.path.join(ckpt_dir, tag)
-        if os.path.isdir(final):  # written before by a run that was resumed from an earlier checkpoint
-            shutil.rmtree(final)
-        os.rename(partial, final)
-        with open(os.path.join(ckpt_dir, "latest.tmp"), "w") as f:  # DeepSpeed's pointer, for its own tools
-            f.write(tag)
-        os.replace(os.path.join(ckpt_dir, "latest.tmp"), os.path.join(ckpt_dir, "latest"))
         prune(ckpt_dir, keep_last, keep_best, log)
     dist.barrier()
     return True
+
+
+def finish(ckpt_dir: str, tag: str, state: dict):
+    """Rank 0, once every rank's files are complete: train_state.json, the rename that makes the checkpoint
+    visible, and `latest`."""
+    partial = os.path.join(ckpt_dir, tag + PARTIAL_SUFFIX)
+    with open(os.path.join(partial, STATE_FILE), "w") as f:
+        json.dump(state, f)
+    final = os.path.join(ckpt_dir, tag)
+    if os.path.isdir(final):  # written before by a run that was resumed from an earlier checkpoint
+        shutil.rmtree(final)
+    os.rename(partial, final)
+    with open(os.path.join(ckpt_dir, "latest.tmp"), "w") as f:  # DeepSpeed's pointer, for its own tools
+        f.write(tag)
+    os.replace(os.path.join(ckpt_dir, "latest.tmp"), os.path.join(ckpt_dir, "latest"))
+
+
+def write_failure(e: Exception, ckpt_dir: str) -> str:
+    """One line for a failed checkpoint write. torch.save reports a full disk as a RuntimeError from its zip
+    writer, without the errno, so the free space is given as well."""
+    what = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0][:200]
+    try:
+        free = f"{size(shutil.disk_usage(ckpt_dir).free)} free"
+    except OSError:
+        free = "free space unknown"
+    return f"{what} ({free} on {ckpt_dir})"
 
 
 def prune(ckpt_dir: str, keep_last: int, keep_best: bool, log=print):

@@ -168,11 +168,16 @@ def zero3_gathered_bytes(module: torch.nn.Module) -> int:
 
 
 def default_store():
-    """The key-value store the default process group was formed through (TCPStore on the master)."""
+    """The key-value store the default process group was formed through (the TCPStore on the master), without
+    the prefixes the process group adds to its own keys, so that a tool outside the job reads a key `k` set
+    here as `TCPStore(master_addr, master_port, is_master=False).get(k)`."""
     _require("torch", TORCH_SERIES, "default_store")
     from torch.distributed.distributed_c10d import _get_default_store
 
-    return _get_default_store()
+    store = _get_default_store()
+    while isinstance(store, torch.distributed.PrefixStore):
+        store = store.underlying_store
+    return store
 
 
 def zero3_hpz_ranks(module: torch.nn.Module) -> int:
@@ -218,6 +223,18 @@ def universal_load_keeps_group_settings(engine):
 _CPU_ATTENTION_AS_GPU = (("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention"),
                          ("_scaled_dot_product_flash_attention_for_cpu_backward",
                           "_scaled_dot_product_flash_attention_backward"))
+
+
+def close_failed_save(engine):
+    """On a rank whose checkpoint write raised inside `engine.save_checkpoint`: what DeepSpeed's save_checkpoint
+    does after the writes and the other ranks take part in, so that none of them is left waiting: the
+    optimizer's checkpoint epilogue (ZeRO-3 gathers its persistent parameters again) and the closing barrier."""
+    _require("deepspeed", DEEPSPEED_SERIES, "close_failed_save")
+    from deepspeed import comm
+
+    if engine._optimizer_has_ckpt_event_epilogue():
+        engine.optimizer.checkpoint_event_epilogue()
+    comm.barrier()
 
 
 def _flop_registry() -> dict:

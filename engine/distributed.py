@@ -121,7 +121,7 @@ def is_comm_error(e: BaseException) -> bool:
 
 
 class Heartbeat:
-    """Every rank records what it is doing (the step) in the process group's store; when a collective fails, or
+    """Every rank records what it is doing (the step) in the process group's store, at `heartbeat/<rank>`; when a collective fails, or
     this rank makes no progress for `timeout_s`, the report says where each rank last was, which names the rank
     that died or stalled.
 

@@ -1,0 +1,44 @@
+"""The fast variant of benchmarks/fault_injection.py: one real 2-rank job per fault that the other reliability
+tests do not already inject (a kill mid-save, mid-evaluation and mid-export, a failed and a full checkpoint disk, a
+truncated shard, and preemption and stalls under the launchers not covered there), each continued with
+`--resume latest` and compared with the uninterrupted debug run of conftest.stage_runs."""
+import pytest
+from conftest import DEBUG_ARGS
+
+from benchmarks.fault_injection import Episode, can_mount, run_all
+
+CASES = [("kill-save", 3, "deepspeed"), ("kill-eval", 2, "deepspeed"), ("kill-export", 1, "deepspeed"),
+         ("enospc", 3, "deepspeed"), ("disk-full", 2, "deepspeed"), ("shard-truncate", 2, "deepspeed"),
+         ("sigterm", 2, "accelerate"), ("stall", 2, "torchrun"), ("stall", 1, "accelerate")]
+
+
+@pytest.mark.parametrize("kind,stage,launcher", CASES, ids=[f"{k}-zero{s}-{launch}" for k, s, launch in CASES])
+def test_fault_is_survived(stage_runs, digits, tmp_path, kind, stage, launcher):
+    if kind == "disk-full" and not can_mount():
+        pytest.skip("mounting a tmpfs needs root or CAP_SYS_ADMIN; the enospc case covers a failing write")
+    # checkpoints every 20 steps (not the reference's 60): saving changes no loss, and gives the kills a recent one
+    base = DEBUG_ARGS + ["--model", "vit-debug", "--save_every", 20]
+    ep = Episode(kind=kind, stage=stage, launcher=launcher, aim="")
+    run_all([ep], 0, base, digits, {stage: stage_runs["vit-debug", stage]}, str(tmp_path), log=lambda s: None)
+    detail = f"{ep}\n{open(tmp_path / f'000-{kind}' / 'log.txt').read()[-3000:]}"
+    assert ep.hit, detail  # the fault landed where it was aimed
+    assert ep.finished and not ep.lost, detail
+    assert ep.losses_equal, detail
+    if kind == "shard-truncate":
+        assert ep.compared_steps > 0 and "data/skipped" in ep.counted, detail
+        return
+    assert ep.compared_steps == 120 and ep.weights_equal, detail
+    if kind in ("enospc", "disk-full"):  # training went on: no relaunch
+        assert ep.exit_codes == [0], detail
+    else:  # the job ended, one relaunch continued it from the newest complete checkpoint
+        assert len(ep.exit_codes) == 2 and ep.exit_codes[0] != 0 and ep.exit_codes[1] == 0, detail
+        assert ep.steps_lost < 20 or kind == "kill-save", detail  # kill-save loses up to two save intervals
+
+
+def test_episodes_are_drawn_from_the_seed():
+    from benchmarks.fault_injection import KINDS, draw
+
+    a, b = draw(30, list(KINDS), seed=3), draw(30, list(KINDS), seed=3)
+    assert [(e.kind, e.stage, e.launcher) for e in a] == [(e.kind, e.stage, e.launcher) for e in b]
+    assert {e.kind for e in a} == set(KINDS)  # 30 faults cover every kind at least twice
+    assert min(sum(e.kind == k for e in a) for k in KINDS) == 2
