@@ -126,13 +126,17 @@ def finish(proc, timeout: float) -> int:
 
 
 def ranks(proc) -> dict:
-    """{local rank: psutil.Process} of the job's training processes."""
+    """{local rank: psutil.Process} of the job's training processes (not their data workers, which run
+    train.py too and inherit LOCAL_RANK)."""
     import psutil
+
+    def is_training(p):
+        return "train.py" in " ".join(p.cmdline()) and "LOCAL_RANK" in p.environ()
 
     found = {}
     for p in psutil.Process(proc.pid).children(recursive=True):
         try:
-            if "train.py" in " ".join(p.cmdline()) and "LOCAL_RANK" in p.environ():
+            if is_training(p) and not is_training(p.parent()):
                 found[int(p.environ()["LOCAL_RANK"])] = p
         except psutil.Error:
             pass
@@ -326,6 +330,8 @@ def run_episode(ep: Episode, rng: random.Random, base_args: list, shards: dict, 
         ep.hit = ep.hit and "preempted (" in out
     elif ep.kind == "stall":
         ep.hit = ep.hit and f"error: rank {1 - victim}: " in out
+    elif ep.kind == "kill-rank":  # the launcher reports the killed rank's exit
+        ep.hit = ep.hit and "-9" in out
     elif ep.kind in ("enospc", "disk-full"):
         ep.hit = "not written" in out
 

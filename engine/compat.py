@@ -167,6 +167,40 @@ def zero3_gathered_bytes(module: torch.nn.Module) -> int:
                if getattr(p, "ds_status", ZeroParamStatus.NOT_AVAILABLE) != ZeroParamStatus.NOT_AVAILABLE)
 
 
+def storage_id(t: torch.Tensor) -> int:
+    """An identity of the storage behind `t`, the same for all its views, unique among live storages, and
+    defined on the meta device too, where every data pointer is 0 (the address of torch's StorageImpl)."""
+    _require("torch", TORCH_SERIES, "storage_id")
+    return t.untyped_storage()._cdata
+
+
+@contextlib.contextmanager
+def sdpa_as_on(device_type: str):
+    """On meta tensors, torch's scaled_dot_product_attention takes its math fallback, which saves the attention
+    matrix; on CPU and GPU it runs a fused flash-attention kernel, which saves only its output and log-sum-exp.
+    Within this context, SDPA on meta tensors (no mask, no dropout) calls the kernel `device_type` would: the
+    CPU flash kernel, or on "cuda" FlashAttention-2, so that a meta profile saves what a real step saves."""
+    _require("torch", TORCH_SERIES, "sdpa_as_on")
+    functional = torch.nn.functional
+    original = functional.scaled_dot_product_attention
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if query.device.type != "meta" or attn_mask is not None or dropout_p or enable_gqa:
+            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            scale=scale, enable_gqa=enable_gqa)
+        if device_type == "cpu":
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal,
+                                                                              scale=scale)[0]
+        return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, 0.0, is_causal,
+                                                                  scale=scale)[0]
+
+    functional.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        functional.scaled_dot_product_attention = original
+
+
 def default_store():
     """The key-value store the default process group was formed through (the TCPStore on the master), without
     the prefixes the process group adds to its own keys, so that a tool outside the job reads a key `k` set

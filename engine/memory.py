@@ -34,23 +34,32 @@ def zero_memory_bytes(n_params: int, zero_stage: int, world_size: int, precision
       partition into one tensor) and, under ZeRO-1, the reduced gradient partition, which ZeRO-2 and 3 hold
       already.
     """
+    parts = zero_memory_parts(n_params, zero_stage, world_size, precision, ds_config)
+    held = sum(v for k, v in parts.items() if k != "optimizer_step_temporaries")
+    return {"backward": held, "optimizer_step": held + parts["optimizer_step_temporaries"]}
+
+
+def zero_memory_parts(n_params: int, zero_stage: int, world_size: int, precision: str, ds_config: dict) -> dict:
+    """zero_memory_bytes's terms, per rank: weights (whole, or ZeRO-3's partition), gradients (ZeRO-2/3's
+    partition, ZeRO-1's whole gradients between micro-batches), optimizer_states (fp32 master and AdamW's
+    moments), zero3_gathered (prefetch bucket and live gathered weights) and optimizer_step_temporaries (the
+    fp32 gradient partition, AdamW's two temporaries and ZeRO-1's reduced gradient partition)."""
     weight = grad = 2 if precision in ("bf16", "fp16") else 4
     n, part = n_params, n_params / world_size
     zero = ds_config.get("zero_optimization", {})
-    states = 12 * part  # fp32 master partition and AdamW's exp_avg, exp_avg_sq
+    parts = {"weights": weight * (part if zero_stage == 3 else n), "gradients": 0, "optimizer_states": 12 * part,
+             "zero3_gathered": 0}
     if zero_stage == 3:
         live = min(zero.get("stage3_max_live_parameters", n), n)
         if zero.get("stage3_max_reuse_distance", 0) >= n:
             live = n
-        held = weight * (part + min(zero.get("stage3_prefetch_bucket_size", 0), n) + live) + states + grad * part
-    else:
-        held = weight * n + states
-        if zero_stage == 2:
-            held += grad * part
-        elif ds_config.get("gradient_accumulation_steps", 1) > 1:  # ZeRO-1 keeps gradients between micro-batches
-            held += grad * n
-    temporaries = 4 if zero_stage == 1 else 3  # fp32 gradient partitions and AdamW's temporaries
-    return {"backward": int(held), "optimizer_step": int(held + temporaries * 4 * part)}
+        parts["zero3_gathered"] = weight * (min(zero.get("stage3_prefetch_bucket_size", 0), n) + live)
+    if zero_stage in (2, 3):
+        parts["gradients"] = grad * part
+    elif ds_config.get("gradient_accumulation_steps", 1) > 1:  # ZeRO-1 keeps gradients between micro-batches
+        parts["gradients"] = grad * n
+    parts["optimizer_step_temporaries"] = (4 if zero_stage == 1 else 3) * 4 * part
+    return {k: int(v) for k, v in parts.items()}
 
 
 def peak_memory_bytes() -> int:

@@ -163,17 +163,17 @@ class _OpRecorder(compat.dispatch_mode_class()):
                 storage = tensors[0].untyped_storage()
                 flops = compat.flop_count(func, args, kwargs or {}, out)
                 ops = self.compute_outputs.setdefault(self.block, [])
-                self.copied_from[storage.data_ptr()] = (self.block, len(ops))
-                ops.append((storage.data_ptr(), storage.nbytes(), flops, packs))
+                self.copied_from[compat.storage_id(tensors[0])] = (self.block, len(ops))
+                ops.append((compat.storage_id(tensors[0]), storage.nbytes(), flops, packs))
             elif compat.op_packet(func) not in (aten.view, UNSAFE_VIEW, aten.t, aten.transpose, aten.permute,
                                               aten.expand, aten.reshape, aten.detach, aten.slice, aten.select):
                 self.cheap_ops.setdefault(self.block, []).append((sum(t.numel() for t in tensors), packs))
                 sources = [a for a in args if isinstance(a, torch.Tensor)]
                 if compat.op_packet(func) in COPY_OPS and len(sources) == 1 and tensors:
-                    origin = self.copied_from.get(sources[0].untyped_storage().data_ptr())
+                    origin = self.copied_from.get(compat.storage_id(sources[0]))
                     if origin is not None:
                         self.alive.append(tensors[0])
-                        self.copied_from[tensors[0].untyped_storage().data_ptr()] = origin
+                        self.copied_from[compat.storage_id(tensors[0])] = origin
         return out
 
 
@@ -196,7 +196,7 @@ def _is_parameter(t: torch.Tensor) -> bool:
 def profile_blocks(model, images: torch.Tensor) -> Profile:
     """One forward of the unwrapped model: saved-tensor bytes (unique storages; activations only, not the
     weights the matmuls also save), FLOPs and cheap-op work per block."""
-    weights = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    weights = {compat.storage_id(t) for t in (*model.parameters(), *model.buffers())}
 
     blocks = find_blocks(model)
     saved = {b.name: {} for b in blocks}
@@ -215,12 +215,12 @@ def profile_blocks(model, images: torch.Tensor) -> Profile:
     def pack(t):
         if recorder.block is not None:  # weights count as saved tensors for the early stop, not as bytes
             recorder.packs[recorder.block] = recorder.packs.get(recorder.block, 0) + 1
-        if t.untyped_storage().data_ptr() in weights or _is_parameter(t):
+        if compat.storage_id(t) in weights or _is_parameter(t):
             # Nothing kept: this forward never runs a backward, and a partitioned model's weights are gathered
             # only while their module runs (engine/parallelize.py), which holding them here would undo.
             return None
         storage = t.untyped_storage()
-        saved.setdefault(recorder.block, {})[storage.data_ptr()] = storage.nbytes()
+        saved.setdefault(recorder.block, {})[compat.storage_id(t)] = storage.nbytes()
         # Detached: a saved output returned as itself closes a cycle through its own grad_fn that Python's
         # collector cannot see, and the profiled forward would stay allocated for good.
         return t.detach()
@@ -335,6 +335,43 @@ def plan_for_budget(profile: list[BlockProfile], activation_budget: int):
     return plan, activation_peak(profile, plan), sum(recompute_cost(p, how) for p, how in zip(profile, plan))
 
 
+def choose_plan(ac: str, blocks: list[Block], profile, fixed: dict) -> list:
+    """Per block: none, selective, full or offload, as policy `ac` says (a valid one). `hierarchical` and `auto`
+    read the profile; `auto` fits the step's peak (`fixed` + activations) into its budget."""
+    name, arg = parse_policy(ac)
+    if name == "none":
+        return ["none"] * len(blocks)
+    if name in ("full", "selective", "offload"):
+        return [name] * len(blocks)
+    if name == "every_n":
+        return ["full" if i % arg == 0 else "none" for i in range(len(blocks))]
+    if name == "hierarchical":
+        by_stage = len({b.stage for b in blocks}) > 1
+        k = arg if arg is not None else default_hierarchical_k(profile, by_stage)
+        return ["full" if (b.stage if by_stage else b.index) < k else "selective" for b in blocks]
+    if fixed["optimizer_step"] > arg * 2**30:
+        raise ConfigError(f"ac '{ac}': the optimizer step alone needs {fixed['optimizer_step'] / 2**30:.3f} GiB "
+                          "per rank (weights, gradients, AdamW states and temporaries), more than the budget")
+    plan, _, _ = plan_for_budget(profile, int(arg * 2**30) - fixed["backward"] - profile.bytes_outside)
+    return plan
+
+
+def plan_figures(profile, plan: list, fixed: dict) -> dict:
+    """A plan's activation bytes, the step's planned peak and its recompute, from the profile."""
+    result = {"activation_bytes_planned": sum(kept_bytes(p, how) for p, how in zip(profile, plan)),
+              "activation_bytes_none": sum(p.bytes_none for p in profile),
+              "activation_bytes_outside_blocks": profile.bytes_outside,
+              "activation_peak_planned": activation_peak(profile, plan) + profile.bytes_outside,
+              # the step's peak: the activations' on top of what the backward starts with, or the optimizer step's
+              "fixed_bytes_estimate": fixed["backward"]}
+    result["peak_bytes_planned"] = max(fixed["backward"] + result["activation_peak_planned"], fixed["optimizer_step"])
+    fwd = sum(p.flops for p in profile)
+    recompute = sum(recompute_cost(p, how) for p, how in zip(profile, plan))
+    result["recompute_flops_fraction"] = recompute / (3 * fwd) if fwd else 0.0  # of forward + backward
+    result["recompute_matmul_flops"] = sum(recompute_flops(p, how) for p, how in zip(profile, plan))
+    return result
+
+
 def apply_activation_checkpointing(model, ac: str, device_type: str, profile_images=None, fixed: dict = None,
                                    log=print) -> dict:
     """Wrap the model's blocks per policy `ac`; returns the plan that was applied (for the run directory).
@@ -357,39 +394,14 @@ def apply_activation_checkpointing(model, ac: str, device_type: str, profile_ima
         # which would be counted at the whole batch's size and then scaled again.
         small = profile_images[:PROFILE_BATCH].clone()
         profile = profile_blocks(model, small).scaled(len(profile_images) / len(small))
-    if name == "none":
-        plan = ["none"] * len(blocks)
-    elif name in ("full", "selective", "offload"):
-        plan = [name] * len(blocks)
-    elif name == "every_n":
-        plan = ["full" if i % arg == 0 else "none" for i in range(len(blocks))]
-    elif name == "hierarchical":
-        by_stage = len({b.stage for b in blocks}) > 1
-        k = arg if arg is not None else default_hierarchical_k(profile, by_stage)
-        plan = ["full" if (b.stage if by_stage else b.index) < k else "selective" for b in blocks]
-    else:  # auto
-        if fixed["optimizer_step"] > arg * 2**30:
-            raise ConfigError(f"ac '{ac}': the optimizer step alone needs {fixed['optimizer_step'] / 2**30:.3f} GiB "
-                              "per rank (weights, gradients, AdamW states and temporaries), more than the budget")
-        plan, _, _ = plan_for_budget(profile, int(arg * 2**30) - fixed["backward"] - profile.bytes_outside)
+    plan = choose_plan(ac, blocks, profile, fixed)
     for i, (block, how) in enumerate(zip(blocks, plan)):
         if how != "none":
             _wrap(block, how, profile[i].keep if profile is not None else None)
     result = {"ac": ac, "blocks": [{"name": b.name, "stage": b.stage, "policy": how} for b, how in zip(blocks, plan)]}
     if profile is not None:
         result["profile"] = [p.__dict__ for p in profile]
-        result["activation_bytes_planned"] = sum(kept_bytes(p, how) for p, how in zip(profile, plan))
-        result["activation_bytes_none"] = sum(p.bytes_none for p in profile)
-        result["activation_bytes_outside_blocks"] = profile.bytes_outside
-        result["activation_peak_planned"] = activation_peak(profile, plan) + profile.bytes_outside
-        # the step's peak: the activations' on top of what the backward starts with, or the optimizer step's
-        result["fixed_bytes_estimate"] = fixed["backward"]
-        result["peak_bytes_planned"] = max(fixed["backward"] + result["activation_peak_planned"],
-                                           fixed["optimizer_step"])
-        fwd = sum(p.flops for p in profile)
-        recompute = sum(recompute_cost(p, how) for p, how in zip(profile, plan))
-        result["recompute_flops_fraction"] = recompute / (3 * fwd) if fwd else 0.0  # of forward + backward
-        result["recompute_matmul_flops"] = sum(recompute_flops(p, how) for p, how in zip(profile, plan))
+        result.update(plan_figures(profile, plan, fixed))
         if name in ("auto", "hierarchical"):
             counts = {h: plan.count(h) for h in ("none", "selective", "full")}
             mib = {k: result[f"activation_{k}"] / 2**20 for k in ("bytes_planned", "bytes_none", "peak_planned")}

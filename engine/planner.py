@@ -1,0 +1,162 @@
+"""The run planner: per-rank memory and step time of a configuration on a cluster, and the search for the fastest
+configuration that fits, from a profile of the model on the meta device (no weight is allocated, so a 22B model
+plans on a laptop). The accounting is the one `ac: auto` plans with (engine/memory.py, models/checkpointing.py);
+docs/planner.md says what is counted, what is assumed and how close it is to what was measured."""
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from config import Config, ConfigError
+from engine import compat
+from engine.memory import zero_memory_parts
+from models.blocks import find_blocks
+from models.checkpointing import PROFILE_BATCH, choose_plan, plan_figures, profile_blocks
+from models.registry import model_config
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    flops: float  # dense bf16 FLOP/s (fp32 for the CPU entry)
+    memory_gib: float  # what the device reports as total memory
+    intra_gbs: float  # GB/s per direction per device between devices of one node
+    inter_gbs: float  # GB/s per direction per device between nodes (its share of the network)
+
+
+# Vendors' data sheets: dense bf16 tensor-core FLOP/s (SXM parts), memory as nvidia-smi reports it, NVLink
+# bandwidth per direction, and one 200 Gb/s (A100 systems) or 400 Gb/s (H100 and later) NIC per GPU.
+DEVICES = {d.name: d for d in (
+    Device("a100-40gb", 312e12, 40.0, 300, 25),
+    Device("a100-80gb", 312e12, 80.0, 300, 25),
+    Device("h100-80gb", 989e12, 79.6, 450, 50),
+    Device("h200", 989e12, 140.4, 450, 50),
+    Device("b200", 2250e12, 179.1, 900, 50),
+)}
+RESERVED_GIB = 2.0  # per device, outside the allocator: the CUDA context, NCCL's buffers, the allocator's slack
+ALLOCATOR_MARGIN = 0.05  # of the rest, left for fragmentation
+DEFAULT_MFU = 0.4  # fraction of the device's peak the model's matmuls reach (the ViT-22B paper reports 0.55)
+
+
+def meta_model(cfg: Config):
+    """The model of a run on the meta device: shapes only, nothing allocated, nothing initialised."""
+    from transformers import AutoModelForImageClassification
+
+    config = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size)
+    with torch.device("meta"):
+        return AutoModelForImageClassification.from_config(config)
+
+
+def profile(cfg: Config, device_type: str):
+    """(block profile at the run's micro-batch, forward FLOPs per image, parameters, largest block's parameters)
+    from a forward of PROFILE_BATCH images on the meta device. Attention runs as the fused kernel torch's SDPA
+    picks on `device_type` (flash attention), whose saved tensors differ from the math fallback meta would take."""
+    model = meta_model(cfg)
+    images = torch.empty(PROFILE_BATCH, 3, cfg.image_size, cfg.image_size, device="meta")
+    with compat.sdpa_as_on(device_type):
+        prof = profile_blocks(model, images)
+        counter = compat.flop_counter()
+        with counter:
+            model(images)
+    n_params = sum(p.numel() for p in model.parameters())
+    largest = max(sum(p.numel() for p in b.module.parameters()) for b in find_blocks(model))
+    return (prof.scaled(cfg.micro_batch_size / PROFILE_BATCH), counter.get_total_flops() / PROFILE_BATCH, n_params,
+            largest)
+
+
+def comm_bytes(n_params: int, zero_stage: int, grad_accum: int, world_size: int, weight_bytes: int) -> float:
+    """Bytes each rank sends per optimizer step (ring collectives, (N-1)/N of each tensor; Rajbhandari et al.
+    2020): ZeRO-1 reduce-scatters the gradients once and all-gathers the updated weights; ZeRO-2 reduce-scatters
+    after every micro-batch (it keeps only its gradient partition); ZeRO-3 also all-gathers the weights in the
+    forward and again in the backward of every micro-batch. Gradients travel in the weights' precision."""
+    share = (world_size - 1) / world_size if world_size > 1 else 0.0
+    volumes = {1: 2, 2: grad_accum + 1, 3: 3 * grad_accum}[zero_stage]
+    return volumes * n_params * weight_bytes * share
+
+
+def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, ranks_per_node: int, device: Device,
+             mfu: float = DEFAULT_MFU, overlap: float = 0.0, measured=None) -> dict:
+    """Per-rank peak memory by part and step time of one configuration. `measured`: a profile() result to reuse."""
+    prof, fwd_flops, n_params, largest = measured or profile(cfg, "cuda" if device.name != "cpu" else "cpu")
+    parts = zero_memory_parts(n_params, cfg.zero_stage, world_size, precision, ds_config)
+    fixed_backward = sum(v for k, v in parts.items() if k != "optimizer_step_temporaries")
+    fixed = {"backward": fixed_backward, "optimizer_step": fixed_backward + parts["optimizer_step_temporaries"]}
+    plan = choose_plan(cfg.ac, _blocks_of(prof), prof, fixed)
+    figures = plan_figures(prof, plan, fixed)
+    activations = figures["activation_peak_planned"]
+    peak = figures["peak_bytes_planned"]
+    weight_bytes = 2 if precision in ("bf16", "fp16") else 4
+    images = cfg.micro_batch_size * cfg.grad_accum_steps
+    recompute = figures["recompute_matmul_flops"] / cfg.micro_batch_size  # per image
+    flops = images * (3 * fwd_flops + recompute)
+    compute_s = flops / (device.flops * mfu)
+    nodes = math.ceil(world_size / ranks_per_node)
+    bandwidth = (device.inter_gbs if nodes > 1 else device.intra_gbs) * 1e9
+    sent = comm_bytes(n_params, cfg.zero_stage, cfg.grad_accum_steps, world_size, weight_bytes)
+    comm_s = sent / bandwidth
+    step_s = compute_s + (1 - overlap) * comm_s
+    capacity = (device.memory_gib - RESERVED_GIB) * (1 - ALLOCATOR_MARGIN) * GiB
+    return {
+        "model": cfg.model, "params": n_params, "largest_block_params": largest, "image_size": cfg.image_size,
+        "precision": precision, "zero_stage": cfg.zero_stage, "micro_batch_size": cfg.micro_batch_size,
+        "grad_accum_steps": cfg.grad_accum_steps, "ac": cfg.ac, "plan": {h: plan.count(h) for h in set(plan)},
+        "world_size": world_size, "ranks_per_node": ranks_per_node, "device": device.name,
+        "global_batch": images * world_size,
+        "memory": {**{k: v for k, v in parts.items() if k != "optimizer_step_temporaries"},
+                   "activations": activations, "optimizer_step_temporaries": parts["optimizer_step_temporaries"]},
+        "peak_bytes": peak, "peak_moment": "backward" if peak > fixed["optimizer_step"] else "optimizer_step",
+        "capacity_bytes": int(capacity), "fits": peak <= capacity,
+        "flops_per_step_per_rank": flops, "forward_flops_per_image": fwd_flops,
+        "recompute_fraction": figures["recompute_flops_fraction"],
+        "comm_bytes_per_step_per_rank": sent, "compute_s": compute_s, "comm_s": comm_s, "step_s": step_s,
+        "images_per_s": images * world_size / step_s,
+        "assumptions": {"mfu": mfu, "overlap": overlap, "bandwidth_gbs": bandwidth / 1e9,
+                        "reserved_gib": RESERVED_GIB, "allocator_margin": ALLOCATOR_MARGIN},
+    }
+
+
+def _blocks_of(prof):
+    """Stand-ins for the model's blocks where only their profile is known (what choose_plan reads)."""
+    from models.blocks import Block
+
+    return [Block(name=p.name, module=None, index=i, stage=p.stage) for i, p in enumerate(prof)]
+
+
+def search(cfg: Config, ds_config_for, precision: str, world_size: int, ranks_per_node: int, device: Device,
+           global_batch: int, mfu: float = DEFAULT_MFU, overlap: float = 0.0, policies=None) -> list:
+    """Every (ZeRO stage, micro-batch, accumulation, ac policy) whose global batch is `global_batch` and whose
+    peak fits, fastest first. `ds_config_for(cfg)`: the DeepSpeed config of a candidate."""
+    if global_batch % world_size:
+        raise ConfigError(f"global batch {global_batch} is not a multiple of the world size {world_size}")
+    per_rank = global_batch // world_size
+    micro_batches = [m for m in (2**i for i in range(0, 13)) if per_rank % m == 0] or [1]
+    policies = policies or ("none", "selective", "full")
+    base = profile(replace(cfg, micro_batch_size=PROFILE_BATCH), "cuda" if device.name != "cpu" else "cpu")
+    found = []
+    for stage in (1, 2, 3):
+        for micro in micro_batches:
+            scaled = (base[0].scaled(micro / PROFILE_BATCH), *base[1:])
+            for ac in policies:
+                candidate = replace(cfg, zero_stage=stage, micro_batch_size=micro,
+                                    grad_accum_steps=per_rank // micro, ac=ac)
+                est = estimate(candidate, ds_config_for(candidate), precision, world_size, ranks_per_node, device,
+                               mfu, overlap, scaled)
+                if est["fits"]:
+                    found.append(est)
+    return sorted(found, key=lambda e: e["step_s"])
+
+
+def smallest_cluster(cfg: Config, ds_config_for, precision: str, ranks_per_node: int, device: Device,
+                     limit: int = 2**20):
+    """The fewest ranks (a power of two) on which ZeRO-3 with full recompute at micro-batch 1 fits, or None."""
+    base = profile(replace(cfg, micro_batch_size=1), "cuda" if device.name != "cpu" else "cpu")
+    world = 1
+    while world <= limit:
+        candidate = replace(cfg, zero_stage=3, micro_batch_size=1, grad_accum_steps=1, ac="full")
+        if estimate(candidate, ds_config_for(candidate), precision, world, ranks_per_node, device,
+                    measured=base)["fits"]:
+            return world
+        world *= 2
+    return None

@@ -1,0 +1,162 @@
+"""Plan a run before making it: per-rank peak memory by part and the step time of a configuration on a cluster,
+or, given a global batch, every configuration that fits, fastest first, and the best written out as a recipe.
+
+    python plan.py --model vit-22b --image_size 224 --num_labels 1000 --precision bf16 \\
+        --world_size 1024 --ranks_per_node 8 --device h100-80gb --global_batch 65536 --out plans/vit-22b
+    python plan.py --config configs/digits-vit.yaml --world_size 2 --device cpu --device_tflops 0.11 \\
+        --device_memory_gb 12                                    # one configuration, as train.py would run it
+
+Every train.py key (config.py) is accepted and means what it means there; the cluster keys are below. Nothing
+is built: the model is profiled on the meta device. docs/planner.md says what is counted and assumed.
+"""
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import replace
+
+from config import ConfigError, parse, to_dict
+
+
+def cluster_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=True,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--world_size", type=int, default=8, help="ranks (devices) in the job")
+    parser.add_argument("--ranks_per_node", type=int, default=8, help="ranks per node")
+    parser.add_argument("--device", default="h100-80gb", help="a device name (see --list_devices) or 'cpu'")
+    parser.add_argument("--device_memory_gb", type=float, help="memory per device in GiB (overrides the table)")
+    parser.add_argument("--device_tflops", type=float, help="dense TFLOP/s per device (overrides the table)")
+    parser.add_argument("--intra_gbs", type=float, help="GB/s per direction per device within a node")
+    parser.add_argument("--inter_gbs", type=float, help="GB/s per direction per device between nodes")
+    parser.add_argument("--mfu", type=float, help="fraction of peak FLOP/s the step's matmuls reach (0.4)")
+    parser.add_argument("--overlap", type=float, default=0.0, help="fraction of communication hidden (0)")
+    parser.add_argument("--global_batch", type=int, help="search every configuration with this global batch")
+    parser.add_argument("--top", type=int, default=10, help="configurations listed by a search")
+    parser.add_argument("--out", help="write the best configuration here: config.yaml, ds_config.json, launch.sh")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--list_devices", action="store_true")
+    return parser.parse_known_args(argv)
+
+
+def device_of(a):
+    from engine.planner import DEVICES, Device
+
+    if a.device == "cpu":
+        missing = [k for k in ("device_tflops", "device_memory_gb") if getattr(a, k) is None]
+        if missing:
+            raise ConfigError(f"device cpu: give {' and '.join('--' + k for k in missing)} (measured figures)")
+        base = Device("cpu", 0, 0, 10, 1)
+    elif a.device in DEVICES:
+        base = DEVICES[a.device]
+    else:
+        raise ConfigError(f"unknown device '{a.device}' (one of: {', '.join(DEVICES)}, or cpu with "
+                          f"--device_tflops and --device_memory_gb)")
+    return replace(base, flops=a.device_tflops * 1e12 if a.device_tflops else base.flops,
+                   memory_gib=a.device_memory_gb or base.memory_gib, intra_gbs=a.intra_gbs or base.intra_gbs,
+                   inter_gbs=a.inter_gbs or base.inter_gbs)
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def describe(e: dict) -> str:
+    m = e["memory"]
+    lines = [f"{e['model']} ({e['params'] / 1e9:.3f}B params), {e['image_size']}px, {e['precision']} | ZeRO-{e['zero_stage']}"
+             f" | micro-batch {e['micro_batch_size']} x {e['grad_accum_steps']} accumulation x {e['world_size']} ranks "
+             f"= {e['global_batch']} images | ac {e['ac']} {e['plan']} | {e['world_size']} x {e['device']}, "
+             f"{e['ranks_per_node']} per node",
+             "per-rank peak memory (GiB): " + ", ".join(f"{k} {gib(v)}" for k, v in m.items())
+             + f" | peak {gib(e['peak_bytes'])} at the {e['peak_moment'].replace('_', ' ')} of "
+               f"{gib(e['capacity_bytes'])} usable: {'fits' if e['fits'] else 'DOES NOT FIT'}",
+             f"step: {e['step_s'] * 1e3:.1f} ms = compute {e['compute_s'] * 1e3:.1f} ms "
+             f"({e['flops_per_step_per_rank'] / 1e12:.2f} TFLOP per rank, recompute {e['recompute_fraction']:.1%}, at "
+             f"{e['assumptions']['mfu']:.0%} of peak) + communication {e['comm_s'] * 1e3:.1f} ms "
+             f"({e['comm_bytes_per_step_per_rank'] / 1e9:.2f} GB per rank at {e['assumptions']['bandwidth_gbs']:g} GB/s, "
+             f"{e['assumptions']['overlap']:.0%} hidden) | {e['images_per_s']:.0f} images/s"]
+    return "\n".join(lines)
+
+
+def table(found: list, top: int) -> str:
+    rows = ["| # | ZeRO | micro | accum | ac | peak GiB | step s | images/s | compute s | comm s |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for i, e in enumerate(found[:top]):
+        rows.append(f"| {i + 1} | {e['zero_stage']} | {e['micro_batch_size']} | {e['grad_accum_steps']} | {e['ac']} | "
+                    f"{gib(e['peak_bytes'])} | {e['step_s']:.3f} | {e['images_per_s']:.0f} | {e['compute_s']:.3f} | "
+                    f"{e['comm_s']:.3f} |")
+    return "\n".join(rows)
+
+
+def write_plan(best: dict, cfg, ds_config: dict, out: str, a):
+    import yaml
+
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "config.yaml"), "w") as f:
+        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+    with open(os.path.join(out, "ds_config.json"), "w") as f:
+        json.dump(ds_config, f, indent=2)
+    with open(os.path.join(out, "plan.json"), "w") as f:
+        json.dump(best, f, indent=1)
+    nodes = math.ceil(a.world_size / a.ranks_per_node)
+    with open(os.path.join(out, "launch.sh"), "w") as f:
+        f.write("#!/bin/bash\n# one line per node (NODE_RANK 0..{n}); MASTER_ADDR: node 0's address\n".format(n=nodes - 1)
+                + f"torchrun --nnodes {nodes} --nproc_per_node {a.ranks_per_node} --node_rank $NODE_RANK "
+                  f"--master_addr $MASTER_ADDR --master_port 29500 train.py --config {out}/config.yaml "
+                  f"--ds_config {out}/ds_config.json\n")
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a, rest = cluster_args(argv)
+    try:
+        from engine.ds_config import build_ds_config
+        from engine.planner import DEFAULT_MFU, DEVICES, estimate, search, smallest_cluster
+        from models.registry import model_config
+
+        if a.list_devices:
+            for d in DEVICES.values():
+                print(f"{d.name}: {d.flops / 1e12:g} TFLOP/s bf16 dense, {d.memory_gib:g} GiB, "
+                      f"{d.intra_gbs:g} GB/s in a node, {d.inter_gbs:g} GB/s between nodes")
+            return 0
+        cfg = parse(rest)
+        device = device_of(a)
+        if a.world_size < 1 or a.ranks_per_node < 1:
+            raise ConfigError("world_size and ranks_per_node must be at least 1")
+        precision = cfg.precision if cfg.precision != "auto" else ("bf16" if a.device != "cpu" else "fp32")
+        hidden = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size).hidden_size
+        ds_for = lambda c: build_ds_config(c, hidden, a.world_size, precision)  # noqa: E731
+        mfu = a.mfu or DEFAULT_MFU
+        if a.global_batch:
+            found = search(cfg, ds_for, precision, a.world_size, a.ranks_per_node, device, a.global_batch, mfu,
+                           a.overlap)
+            if not found:
+                smallest = smallest_cluster(cfg, ds_for, precision, a.ranks_per_node, device)
+                raise ConfigError(
+                    f"no configuration of {cfg.model} fits {a.world_size} x {device.name} "
+                    f"({device.memory_gib:g} GiB) at global batch {a.global_batch}: " + (
+                        f"the smallest cluster on which it fits at all (ZeRO-3, full recompute, micro-batch 1) "
+                        f"is {smallest} ranks" if smallest else "it does not fit on any cluster up to 2^20 ranks"))
+            best = found[0]
+            if a.json:
+                print(json.dumps({"best": best, "feasible": found[:a.top], "count": len(found)}, indent=1))
+            else:
+                print(f"{len(found)} configurations fit; the fastest {min(a.top, len(found))}:\n{table(found, a.top)}"
+                      f"\n\nbest:\n{describe(best)}")
+            if a.out:
+                chosen = replace(cfg, zero_stage=best["zero_stage"], micro_batch_size=best["micro_batch_size"],
+                                 grad_accum_steps=best["grad_accum_steps"], ac=best["ac"], precision=precision)
+                write_plan(best, chosen, ds_for(chosen), a.out, a)
+                if not a.json:
+                    print(f"written: {a.out}/config.yaml, ds_config.json, plan.json, launch.sh")
+            return 0
+        e = estimate(cfg, ds_for(cfg), precision, a.world_size, a.ranks_per_node, device, mfu, a.overlap)
+        print(json.dumps(e, indent=1) if a.json else describe(e))
+        return 0 if e["fits"] else 1
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

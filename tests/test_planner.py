@@ -1,0 +1,109 @@
+"""The planner (plan.py, engine/planner.py): its meta-device profile against the real-tensor one, its parameter
+counts against the published ones, its model-state bytes against DeepSpeed's own estimators, and the CLI."""
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import REPO
+
+from config import Config
+from engine import compat
+from engine.memory import zero_memory_parts
+from engine.planner import meta_model
+from models.checkpointing import profile_blocks
+from models.registry import build_model
+
+
+@pytest.mark.parametrize("name,image", [("vit-debug", 16), ("swin-debug", 16), ("vit-small", 32),
+                                        ("swin-tiny-w4", 128)])
+def test_meta_profile_equals_the_real_one(name, image):
+    """Saved bytes (every policy's), FLOPs and recompute work per block, from a forward on the meta device with
+    CPU attention kernels, equal those of the built model's real forward."""
+    x = torch.randn(2, 3, image, image)
+    real = profile_blocks(build_model(name, 10, image)[0], x)
+    with compat.sdpa_as_on("cpu"):
+        meta = profile_blocks(meta_model(replace(Config(), model=name, image_size=image)), x.to("meta"))
+    assert [p.__dict__ for p in meta] == [p.__dict__ for p in real]
+    assert meta.bytes_outside == real.bytes_outside and sum(p.bytes_none for p in real) > 0
+
+
+# published sizes: Dosovitskiy et al. 2021, Zhai et al. 2022 (ViT-g/14), Dehghani et al. 2023 (ViT-22B), Liu et
+# al. 2021 (Swin), all with a 1000-class head at 224 px
+PUBLISHED = {"vit-base": 86e6, "vit-large": 304e6, "vit-huge": 632e6, "vit-giant": 1.0e9, "vit-22b": 21.7e9,
+             "swin-tiny": 28e6, "swin-base": 88e6}
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_registry_sizes_have_the_published_parameter_counts(name):
+    model = meta_model(replace(Config(), model=name, image_size=224, num_labels=1000))
+    n = sum(p.numel() for p in model.parameters())
+    assert n == pytest.approx(PUBLISHED[name], rel=0.015), n
+
+
+def test_model_state_bytes_equal_deepspeeds_estimators():
+    """DeepSpeed counts, per GPU without offload, 16-bit weights (ZeRO-2: whole; ZeRO-3: only an allowance of 4
+    bytes per parameter of the largest layer for gathered weights, which the planner replaces by zero3_gathered
+    and its weight partition) plus 18 bytes per parameter / N for the
+    16-bit gradient, fp32 gradient, fp32 master and AdamW partitions; the planner's parts hold the same, its fp32
+    gradient partition being the first of the optimizer step's temporaries."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    n, per_node, nodes, largest = 21_743_000_000, 8, 128, 453_000_000
+    world = per_node * nodes
+    for stage in (2, 3):
+        parts = zero_memory_parts(n, stage, world, "bf16", {"zero_optimization": {}})
+        ours = parts["weights"] * (stage == 2) + parts["gradients"] + parts["optimizer_states"] + 4 * n / world
+        if stage == 2:
+            _, theirs = estimate_zero2_model_states_mem_needs(n, per_node, nodes, cpu_offload=False)
+        else:
+            _, theirs, layer = estimate_zero3_model_states_mem_needs(n, largest, per_node, nodes, cpu_offload=False)
+            theirs -= layer  # their allowance for the largest gathered layer; ours is zero3_gathered
+        assert ours == pytest.approx(theirs, abs=4), stage
+
+
+def plan(*args):
+    return subprocess.run([sys.executable, "plan.py", *map(str, args)], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_plan_vit_22b_on_1024_gpus(tmp_path):
+    """The ViT-22B paper's scale, planned in seconds on this host: the best configuration fits, is written as
+    a recipe train.py reads, and a configuration that cannot fit says which cluster would."""
+    out = tmp_path / "plan"
+    proc = plan("--model", "vit-22b", "--image_size", 224, "--num_labels", 1000, "--precision", "bf16",
+                "--world_size", 1024, "--ranks_per_node", 8, "--device", "h100-80gb", "--global_batch", 65536,
+                "--json", "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    best = result["best"]
+    assert best["fits"] and best["peak_bytes"] <= best["capacity_bytes"] and best["global_batch"] == 65536
+    assert best["params"] == pytest.approx(21.7e9, rel=0.01)
+    times = [e["step_s"] for e in result["feasible"]]
+    assert times == sorted(times) and len(times) > 1
+    from config import parse
+
+    cfg = parse(["--config", str(out / "config.yaml")])
+    assert (cfg.zero_stage, cfg.micro_batch_size, cfg.ac) == (best["zero_stage"], best["micro_batch_size"], best["ac"])
+    ds = json.loads((out / "ds_config.json").read_text())
+    assert ds["zero_optimization"]["stage"] == best["zero_stage"] and ds["bf16"]["enabled"]
+    assert "--nnodes 128 --nproc_per_node 8" in (out / "launch.sh").read_text()
+
+    proc = plan("--model", "vit-22b", "--image_size", 224, "--precision", "bf16", "--world_size", 8, "--device",
+                "a100-40gb", "--global_batch", 64)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: no configuration of vit-22b fits 8 x a100-40gb")
+    assert "the smallest cluster on which it fits at all" in proc.stderr and len(proc.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "vit-gigantic"], "error: unknown model 'vit-gigantic'"),
+    (["--device", "tpu-v9"], "error: unknown device 'tpu-v9'"),
+    (["--device", "cpu"], "error: device cpu: give --device_tflops and --device_memory_gb"),
+    (["--ac", "auto:0.001", "--model", "vit-base", "--image_size", 224], "error: ac 'auto:0.001'"),
+])
+def test_plan_bad_input_is_one_line(args, message):
+    proc = plan(*args)
+    assert proc.returncode == 2 and proc.stderr.startswith(message) and len(proc.stderr.splitlines()) == 1, proc.stderr
