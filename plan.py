@@ -16,7 +16,7 @@ import os
 import sys
 from dataclasses import replace
 
-from config import ConfigError, parse, to_dict
+from config import Config, ConfigError, parse, to_dict
 
 
 def cluster_args(argv):
@@ -35,7 +35,10 @@ def cluster_args(argv):
     parser.add_argument("--top", type=int, default=10, help="configurations listed by a search")
     parser.add_argument("--out", help="write the best configuration here: config.yaml, ds_config.json, launch.sh")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--picture", metavar="PNG", help="draw the per-rank memory breakdown of the listed configurations")
     parser.add_argument("--list_devices", action="store_true")
+    parser.add_argument("--validate", metavar="RESULTS_CSV",
+                        help="compare predictions with a benchmark suite's measured rows (benchmarks/results/<suite>/)")
     return parser.parse_known_args(argv)
 
 
@@ -46,7 +49,7 @@ def device_of(a):
         missing = [k for k in ("device_tflops", "device_memory_gb") if getattr(a, k) is None]
         if missing:
             raise ConfigError(f"device cpu: give {' and '.join('--' + k for k in missing)} (measured figures)")
-        base = Device("cpu", 0, 0, 10, 1)
+        base = Device("cpu", 0, 0, 10, 1, 0.0)
     elif a.device in DEVICES:
         base = DEVICES[a.device]
     else:
@@ -88,12 +91,46 @@ def table(found: list, top: int) -> str:
     return "\n".join(rows)
 
 
+def draw(estimates: list, path: str, title: str):
+    """Stacked bars: each configuration's per-rank memory by part, its planned peak (the larger of the backward's
+    and the optimizer step's), and the device's usable memory."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parts = list(estimates[0]["memory"])
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.1 * len(estimates) + 1.5), 5.5))
+    labels = [f"Z{e['zero_stage']} mb{e['micro_batch_size']}x{e['grad_accum_steps']}\n{e['ac']}" for e in estimates]
+    bottom = [0.0] * len(estimates)
+    for part in parts:
+        heights = [e["memory"][part] / 2**30 for e in estimates]
+        # the temporaries exist at the optimizer step, when the activations are freed: drawn apart, hatched
+        later = part == "optimizer_step_temporaries"
+        ax.bar(labels, heights, bottom=bottom, hatch="//" if later else None, alpha=0.5 if later else 1.0,
+               label="optimizer step temporaries (at the step, activations freed)" if later else part.replace("_", " "))
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.scatter(labels, [e["peak_bytes"] / 2**30 for e in estimates], marker="_", s=400, color="black", zorder=3,
+               label="planned peak")
+    ax.axhline(estimates[0]["capacity_bytes"] / 2**30, color="red", linestyle="--", label="usable device memory")
+    ax.set_ylabel("GiB per rank")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3)
+    ax.tick_params(axis="x", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def write_plan(best: dict, cfg, ds_config: dict, out: str, a):
     import yaml
 
     os.makedirs(out, exist_ok=True)
+    defaults = to_dict(Config())
     with open(os.path.join(out, "config.yaml"), "w") as f:
-        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+        f.write(f"# plan.py's best configuration for {a.world_size} x {best['device']} (plan.json: the estimate).\n"
+                f"# Add train_shards, val_shards, output_dir and the schedule (lr, max_steps, ...) of your run.\n")
+        yaml.safe_dump({k: v for k, v in to_dict(cfg).items() if v != defaults[k]}, f, sort_keys=False)
     with open(os.path.join(out, "ds_config.json"), "w") as f:
         json.dump(ds_config, f, indent=2)
     with open(os.path.join(out, "plan.json"), "w") as f:
@@ -106,8 +143,48 @@ def write_plan(best: dict, cfg, ds_config: dict, out: str, a):
                   f"--ds_config {out}/ds_config.json\n")
 
 
+def validation_table(rows: list) -> str:
+    """plan.py's predictions against a benchmark suite's measurements, as a markdown table and a summary line."""
+    lines = ["| shape | configuration | peak MiB predicted | measured | error | step s predicted | measured | error |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['config']} | {r['peak_predicted'] / 2**20:.1f} | "
+                     f"{r['peak_measured'] / 2**20:.1f} | {r['peak_error']:+.1%} | {r['step_predicted']:.3f} | "
+                     f"{r['step_measured']:.3f} | {r['step_error']:+.1%} |")
+    if not rows:
+        return "no DeepSpeed rows to compare"
+    worst_peak = max(rows, key=lambda r: abs(r["peak_error"]))
+    worst_step = max(rows, key=lambda r: abs(r["step_error"]))
+    return ("\n".join(lines) + f"\n\n{len(rows)} rows; largest peak error {worst_peak['peak_error']:+.1%} "
+            f"({worst_peak['config']}, {worst_peak['shape']}), largest step-time error {worst_step['step_error']:+.1%} "
+            f"({worst_step['config']}, {worst_step['shape']})")
+
+
+def write_validation(results_dir: str, suite_name: str):
+    """planner.md beside a benchmark suite's results.csv: the predictions for its rows and their errors."""
+    from engine.planner import validate
+
+    rows = validate(os.path.join(results_dir, "results.csv"))
+    with open(os.path.join(results_dir, "planner.md"), "w") as f:
+        f.write(f"# {suite_name}: plan.py's predictions against these measurements\n\n"
+                f"`python plan.py --validate {os.path.relpath(results_dir)}/results.csv`; on CPU the device's peak is "
+                f"the GEMM rate measured in the same run, taken at 100%.\n\n{validation_table(rows)}\n")
+
+
+def print_validation(a) -> int:
+    from engine.planner import validate
+
+    rows = validate(a.validate, mfu=a.mfu or 1.0, intra_gbs=a.intra_gbs or 10.0)
+    print(json.dumps(rows, indent=1) if a.json else validation_table(rows))
+    return 0
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
+    import torch
+
+    if not torch.cuda.is_available():  # DeepSpeed's CPU accelerator, named: it would print that it guessed it
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     a, rest = cluster_args(argv)
     try:
         from engine.ds_config import build_ds_config
@@ -119,6 +196,8 @@ def main(argv=None):
                 print(f"{d.name}: {d.flops / 1e12:g} TFLOP/s bf16 dense, {d.memory_gib:g} GiB, "
                       f"{d.intra_gbs:g} GB/s in a node, {d.inter_gbs:g} GB/s between nodes")
             return 0
+        if a.validate:
+            return print_validation(a)
         cfg = parse(rest)
         device = device_of(a)
         if a.world_size < 1 or a.ranks_per_node < 1:
@@ -143,6 +222,9 @@ def main(argv=None):
             else:
                 print(f"{len(found)} configurations fit; the fastest {min(a.top, len(found))}:\n{table(found, a.top)}"
                       f"\n\nbest:\n{describe(best)}")
+            if a.picture:
+                draw(found[:a.top], a.picture, f"{cfg.model}, {a.world_size} x {device.name}, global batch "
+                                               f"{a.global_batch}: the {min(a.top, len(found))} fastest that fit")
             if a.out:
                 chosen = replace(cfg, zero_stage=best["zero_stage"], micro_batch_size=best["micro_batch_size"],
                                  grad_accum_steps=best["grad_accum_steps"], ac=best["ac"], precision=precision)
@@ -152,6 +234,8 @@ def main(argv=None):
             return 0
         e = estimate(cfg, ds_for(cfg), precision, a.world_size, a.ranks_per_node, device, mfu, a.overlap)
         print(json.dumps(e, indent=1) if a.json else describe(e))
+        if a.picture:
+            draw([e], a.picture, f"{cfg.model}, {a.world_size} x {device.name}")
         return 0 if e["fits"] else 1
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

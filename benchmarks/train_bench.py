@@ -597,6 +597,9 @@ def report(out_dir: str, suite_name: str, suite: Suite, results: list, gemm: lis
                        model_flops_per_image={k: v for k, v in flops.items()}), f, indent=1)
     write_markdown(os.path.join(out_dir, "results.md"), suite_name, suite, rows, targets, env, minutes)
     plot(os.path.join(out_dir, "pareto.png"), suite, rows)
+    from plan import write_validation
+
+    write_validation(out_dir, suite_name)  # plan.py's predictions against these rows: planner.md
     print(open(os.path.join(out_dir, "results.md")).read())
     failed = sum(r.get("jobs_failed", 0) for r in rows)
     if failed:

@@ -36,7 +36,8 @@ def zero_memory_bytes(n_params: int, zero_stage: int, world_size: int, precision
     """
     parts = zero_memory_parts(n_params, zero_stage, world_size, precision, ds_config)
     held = sum(v for k, v in parts.items() if k != "optimizer_step_temporaries")
-    return {"backward": held, "optimizer_step": held + parts["optimizer_step_temporaries"]}
+    return {"backward": held, "optimizer_step": held + parts["optimizer_step_temporaries"],
+            "zero3_gathered": parts["zero3_gathered"]}
 
 
 def zero_memory_parts(n_params: int, zero_stage: int, world_size: int, precision: str, ds_config: dict) -> dict:

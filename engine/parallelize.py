@@ -3,7 +3,6 @@
 `build_engine` is what train.py, the benchmark worker and the equivalence tests call; `parallelize` applies,
 in this order, activation checkpointing, ZeRO and torch.compile.
 """
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -35,13 +34,6 @@ def engine_config(cfg: Config, hidden_size: int, world_size: int) -> tuple[str, 
     return precision, build_ds_config(cfg, hidden_size, world_size, precision)
 
 
-def profile_batch(cfg: Config) -> torch.Tensor:
-    """Random images of the run's shape from the seed: the activation-checkpointing profile reads no training
-    data, so the data order stays exact."""
-    return torch.randn(cfg.micro_batch_size, 3, cfg.image_size, cfg.image_size,
-                       generator=torch.Generator().manual_seed(cfg.seed))
-
-
 def build_training_model(cfg: Config, ds_config: dict, class_names=None):
     """(model, image processor) of a run, initial weights from `cfg.seed` alone.
 
@@ -66,31 +58,6 @@ def build_training_model(cfg: Config, ds_config: dict, class_names=None):
     return model, processor
 
 
-@contextlib.contextmanager
-def gathered_module_by_module(model: torch.nn.Module):
-    """Each module's own ZeRO-3 parameters gathered for its forward only: a forward of a partitioned model
-    outside the engine (the checkpointing profile) that never holds the whole model."""
-    import deepspeed
-
-    open_gathers, handles = {}, []
-
-    def gather(module, args):
-        open_gathers[module] = deepspeed.zero.GatheredParameters(list(module.parameters(recurse=False)))
-        open_gathers[module].__enter__()
-
-    def release(module, args, output):
-        open_gathers.pop(module).__exit__(None, None, None)
-
-    for module in model.modules():
-        if next(module.parameters(recurse=False), None) is not None:
-            handles += [module.register_forward_pre_hook(gather), module.register_forward_hook(release)]
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-
-
 def build_engine(model: torch.nn.Module, cfg: Config, world_size: int, device_type: str, log=print,
                  load_universal: bool = False) -> Built:
     """Wrap a freshly built model for training under `cfg`: train.py's path, and every benchmark's.
@@ -98,32 +65,33 @@ def build_engine(model: torch.nn.Module, cfg: Config, world_size: int, device_ty
     precision, ds_config = engine_config(cfg, model.config.hidden_size, world_size)
     if load_universal:
         ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
-    engine, ac_plan = parallelize(model, cfg, ds_config, profile_batch(cfg), world_size, precision, device_type,
-                                  log)
+    engine, ac_plan = parallelize(model, cfg, ds_config, world_size, precision, device_type, log)
     return Built(engine, ac_plan, ds_config, precision, DTYPES[precision])
 
 
-def parallelize(model: torch.nn.Module, cfg: Config, ds_config: dict, profile_images: torch.Tensor,
-                world_size: int, precision: str, device_type: str, log=print):
+def parallelize(model: torch.nn.Module, cfg: Config, ds_config: dict, world_size: int, precision: str,
+                device_type: str, log=print):
     """(DeepSpeed engine, activation-checkpointing plan).
 
     The order is fixed: checkpointing wraps the bare blocks (it profiles the model as defined), ZeRO then hooks
     whatever the blocks have become, and torch.compile traces the model with ZeRO's hooks in place.
     """
-    ac_plan = apply_ac(model, cfg, ds_config, profile_images, world_size, precision, device_type, log)
+    ac_plan = apply_ac(model, cfg, ds_config, world_size, precision, device_type, log)
     engine = apply_zero(model, cfg, ds_config, ac_plan)
     apply_compile(engine, cfg, log)
     return engine, ac_plan
 
 
-def apply_ac(model, cfg, ds_config, profile_images, world_size, precision, device_type, log) -> dict:
-    """Activation checkpointing per `cfg.ac`; `auto` budgets the activations against what ZeRO holds. A
-    partitioned model is profiled with one module's weights gathered at a time."""
+def apply_ac(model, cfg, ds_config, world_size, precision, device_type, log) -> dict:
+    """Activation checkpointing per `cfg.ac`; `auto` budgets the activations against what ZeRO holds. The
+    profile is the planner's: the run's model on the meta device, in the run's precision, with the attention
+    kernel of this device, so that no weight is gathered or allocated for it (engine/planner.py)."""
+    from engine.planner import profile
+
     fixed = zero_memory_bytes(sum(compat.param_numel(p) for p in model.parameters()), cfg.zero_stage, world_size,
                               precision, ds_config)
-    partitioned = any(compat.is_zero3_partitioned(p) for p in model.parameters())
-    with gathered_module_by_module(model) if partitioned else contextlib.nullcontext():
-        return apply_activation_checkpointing(model, cfg.ac, device_type, profile_images, fixed, log)
+    measured = profile(cfg, device_type, DTYPES[precision])[0]
+    return apply_activation_checkpointing(model, cfg.ac, device_type, fixed=fixed, log=log, profile=measured)
 
 
 def apply_zero(model, cfg, ds_config, ac_plan):

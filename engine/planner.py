@@ -9,6 +9,7 @@ import torch
 
 from config import Config, ConfigError
 from engine import compat
+from engine.parallelize import DTYPES
 from engine.memory import zero_memory_parts
 from models.blocks import find_blocks
 from models.checkpointing import PROFILE_BATCH, choose_plan, plan_figures, profile_blocks
@@ -24,6 +25,7 @@ class Device:
     memory_gib: float  # what the device reports as total memory
     intra_gbs: float  # GB/s per direction per device between devices of one node
     inter_gbs: float  # GB/s per direction per device between nodes (its share of the network)
+    op_overhead_s: float = 10e-6  # host time to launch one operator (eager PyTorch): a floor on small micro-batches
 
 
 # Vendors' data sheets: dense bf16 tensor-core FLOP/s (SXM parts), memory as nvidia-smi reports it, NVLink
@@ -49,21 +51,33 @@ def meta_model(cfg: Config):
         return AutoModelForImageClassification.from_config(config)
 
 
-def profile(cfg: Config, device_type: str):
-    """(block profile at the run's micro-batch, forward FLOPs per image, parameters, largest block's parameters)
-    from a forward of PROFILE_BATCH images on the meta device. Attention runs as the fused kernel torch's SDPA
+class _OpCounter(compat.dispatch_mode_class()):
+    """Operators a forward dispatches (each is at least one kernel launch on a GPU), views excepted."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def profile(cfg: Config, device_type: str, dtype: torch.dtype = torch.float32):
+    """(block profile at the run's micro-batch, forward FLOPs per image, parameters, largest block's parameters,
+    operators per forward) from a forward of PROFILE_BATCH images on the meta device. Attention runs as the fused kernel torch's SDPA
     picks on `device_type` (flash attention), whose saved tensors differ from the math fallback meta would take."""
-    model = meta_model(cfg)
-    images = torch.empty(PROFILE_BATCH, 3, cfg.image_size, cfg.image_size, device="meta")
+    model = meta_model(cfg).to(dtype)
+    images = torch.empty(PROFILE_BATCH, 3, cfg.image_size, cfg.image_size, device="meta", dtype=dtype)
     with compat.sdpa_as_on(device_type):
         prof = profile_blocks(model, images)
-        counter = compat.flop_counter()
-        with counter:
+        counter, ops = compat.flop_counter(), _OpCounter()
+        with counter, ops:
             model(images)
     n_params = sum(p.numel() for p in model.parameters())
     largest = max(sum(p.numel() for p in b.module.parameters()) for b in find_blocks(model))
     return (prof.scaled(cfg.micro_batch_size / PROFILE_BATCH), counter.get_total_flops() / PROFILE_BATCH, n_params,
-            largest)
+            largest, ops.count)
 
 
 def comm_bytes(n_params: int, zero_stage: int, grad_accum: int, world_size: int, weight_bytes: int) -> float:
@@ -79,10 +93,12 @@ def comm_bytes(n_params: int, zero_stage: int, grad_accum: int, world_size: int,
 def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, ranks_per_node: int, device: Device,
              mfu: float = DEFAULT_MFU, overlap: float = 0.0, measured=None) -> dict:
     """Per-rank peak memory by part and step time of one configuration. `measured`: a profile() result to reuse."""
-    prof, fwd_flops, n_params, largest = measured or profile(cfg, "cuda" if device.name != "cpu" else "cpu")
+    prof, fwd_flops, n_params, largest, n_ops = measured or profile(cfg, "cuda" if device.name != "cpu" else "cpu",
+                                                                    DTYPES[precision])
     parts = zero_memory_parts(n_params, cfg.zero_stage, world_size, precision, ds_config)
     fixed_backward = sum(v for k, v in parts.items() if k != "optimizer_step_temporaries")
-    fixed = {"backward": fixed_backward, "optimizer_step": fixed_backward + parts["optimizer_step_temporaries"]}
+    fixed = {"backward": fixed_backward, "optimizer_step": fixed_backward + parts["optimizer_step_temporaries"],
+             "zero3_gathered": parts["zero3_gathered"]}
     plan = choose_plan(cfg.ac, _blocks_of(prof), prof, fixed)
     figures = plan_figures(prof, plan, fixed)
     activations = figures["activation_peak_planned"]
@@ -91,7 +107,10 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
     images = cfg.micro_batch_size * cfg.grad_accum_steps
     recompute = figures["recompute_matmul_flops"] / cfg.micro_batch_size  # per image
     flops = images * (3 * fwd_flops + recompute)
-    compute_s = flops / (device.flops * mfu)
+    # a micro-batch takes its FLOPs' time, or, if longer, the host's time to launch its operators (the backward
+    # about twice the forward's), which the device cannot outrun
+    micro_s = max(flops / cfg.grad_accum_steps / (device.flops * mfu), 3 * n_ops * device.op_overhead_s)
+    compute_s = micro_s * cfg.grad_accum_steps
     nodes = math.ceil(world_size / ranks_per_node)
     bandwidth = (device.inter_gbs if nodes > 1 else device.intra_gbs) * 1e9
     sent = comm_bytes(n_params, cfg.zero_stage, cfg.grad_accum_steps, world_size, weight_bytes)
@@ -113,7 +132,8 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
         "comm_bytes_per_step_per_rank": sent, "compute_s": compute_s, "comm_s": comm_s, "step_s": step_s,
         "images_per_s": images * world_size / step_s,
         "assumptions": {"mfu": mfu, "overlap": overlap, "bandwidth_gbs": bandwidth / 1e9,
-                        "reserved_gib": RESERVED_GIB, "allocator_margin": ALLOCATOR_MARGIN},
+                        "reserved_gib": RESERVED_GIB, "allocator_margin": ALLOCATOR_MARGIN,
+                        "op_overhead_s": device.op_overhead_s, "ops_per_forward": n_ops},
     }
 
 
@@ -133,7 +153,8 @@ def search(cfg: Config, ds_config_for, precision: str, world_size: int, ranks_pe
     per_rank = global_batch // world_size
     micro_batches = [m for m in (2**i for i in range(0, 13)) if per_rank % m == 0] or [1]
     policies = policies or ("none", "selective", "full")
-    base = profile(replace(cfg, micro_batch_size=PROFILE_BATCH), "cuda" if device.name != "cpu" else "cpu")
+    base = profile(replace(cfg, micro_batch_size=PROFILE_BATCH), "cuda" if device.name != "cpu" else "cpu",
+                   DTYPES[precision])
     found = []
     for stage in (1, 2, 3):
         for micro in micro_batches:
@@ -145,13 +166,14 @@ def search(cfg: Config, ds_config_for, precision: str, world_size: int, ranks_pe
                                mfu, overlap, scaled)
                 if est["fits"]:
                     found.append(est)
-    return sorted(found, key=lambda e: e["step_s"])
+    # equal times (compute-bound either way): fewer accumulation steps, then the lower peak
+    return sorted(found, key=lambda e: (round(e["step_s"], 6), e["grad_accum_steps"], e["peak_bytes"]))
 
 
 def smallest_cluster(cfg: Config, ds_config_for, precision: str, ranks_per_node: int, device: Device,
                      limit: int = 2**20):
     """The fewest ranks (a power of two) on which ZeRO-3 with full recompute at micro-batch 1 fits, or None."""
-    base = profile(replace(cfg, micro_batch_size=1), "cuda" if device.name != "cpu" else "cpu")
+    base = profile(replace(cfg, micro_batch_size=1), "cuda" if device.name != "cpu" else "cpu", DTYPES[precision])
     world = 1
     while world <= limit:
         candidate = replace(cfg, zero_stage=3, micro_batch_size=1, grad_accum_steps=1, ac="full")
@@ -160,3 +182,47 @@ def smallest_cluster(cfg: Config, ds_config_for, precision: str, ranks_per_node:
             return world
         world *= 2
     return None
+
+
+def validate(results_csv: str, mfu: float = 1.0, intra_gbs: float = 10.0) -> list:
+    """The planner's predictions for every DeepSpeed row of a benchmark suite's results.csv (runs.jsonl and
+    environment.json beside it give each row's configuration and the GEMM rate measured in the same run), with
+    the measured peak memory and step time and the errors. On CPU the device's peak is that GEMM rate, so `mfu`
+    1.0 predicts the step as if every FLOP ran at it; `intra_gbs`: the ranks' shared-memory bandwidth."""
+    import csv
+    import json
+    import os
+    import statistics
+
+    from benchmarks.bench_worker import Spec, run_config
+    from engine.ds_config import build_ds_config
+
+    folder = os.path.dirname(os.path.abspath(results_csv))
+    with open(results_csv) as f:
+        rows = [r for r in csv.DictReader(f) if r["engine"] == "deepspeed" and r["jobs_ok"] != "0"]
+    with open(os.path.join(folder, "runs.jsonl")) as f:
+        runs = [json.loads(line) for line in f]
+    with open(os.path.join(folder, "environment.json")) as f:
+        env = json.load(f)
+    out = []
+    for row in rows:
+        jobs = [r for r in runs if r["shape"] == row["shape"] and r["run"] == row["config"]]
+        if not jobs:
+            continue
+        spec = Spec(**{k: v for k, v in jobs[0]["spec"].items() if k in Spec.__dataclass_fields__})
+        cfg = run_config(spec)
+        world, device_type = jobs[0]["world_size"], jobs[0]["device"]
+        precision = "fp32" if device_type == "cpu" else "bf16"
+        # the CPU runs each operator as it is dispatched: its launch cost is inside the measured FLOP rate; the
+        # memory (1e6 GiB) is not the question here
+        device = Device(device_type, env["peak_gflops_per_rank"] * 1e9, 1e6, intra_gbs, intra_gbs, 0.0)
+        hidden = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size).hidden_size
+        est = estimate(cfg, build_ds_config(cfg, hidden, world, precision), precision, world, world, device, mfu)
+        step_s = statistics.median(statistics.median(r["step_seconds"]) for r in jobs)
+        measured_peak = float(row["peak_alloc_mib"]) * 2**20
+        out.append({"shape": row["shape"], "config": row["config"], "zero_stage": cfg.zero_stage, "ac": cfg.ac,
+                    "peak_predicted": est["peak_bytes"], "peak_measured": measured_peak,
+                    "peak_error": est["peak_bytes"] / measured_peak - 1,
+                    "step_predicted": est["step_s"], "step_measured": step_s, "step_error": est["step_s"] / step_s - 1,
+                    "compute_s": est["compute_s"], "comm_s": est["comm_s"]})
+    return out

@@ -123,6 +123,7 @@ class BlockProfile:
     # what the block's backward holds beside the saved activations: the gradients of its largest matmul output
     # and of its input
     bytes_grad: int = 0
+    params: int = 0  # the block's own parameters (not scaled with the batch)
 
     def scaled(self, factor: float) -> "BlockProfile":
         """The profile of a batch `factor` times larger: every saved activation, FLOP and element of a ViT
@@ -130,7 +131,7 @@ class BlockProfile:
         return BlockProfile(self.name, self.stage, round(self.bytes_none * factor), round(self.bytes_selective * factor),
                             round(self.bytes_full * factor), round(self.flops * factor), round(self.flops_full * factor),
                             round(self.flops_selective * factor), round(self.cheap_elems * factor), self.keep,
-                            round(self.bytes_grad * factor))
+                            round(self.bytes_grad * factor), self.params)
 
 
 # ops that only copy or rescale one tensor: a saved tensor made from a compute output by these alone is that
@@ -257,7 +258,8 @@ def profile_blocks(model, images: torch.Tensor) -> Profile:
         out.append(BlockProfile(b.name, b.stage, none, min(none, kept + inputs[b.name]), inputs[b.name], int(f),
                                 sum(fl for fl, _ in rerun), sum(fl for fl, k in rerun if not k),
                                 sum(n for n, packs in recorder.cheap_ops.get(b.name, []) if packs < last), keep,
-                                max((nbytes for _, nbytes, *_ in outputs), default=0) + inputs[b.name]))
+                                max((nbytes for _, nbytes, *_ in outputs), default=0) + inputs[b.name],
+                                sum(compat.param_numel(p) for p in b.module.parameters())))
     return out
 
 
@@ -357,14 +359,28 @@ def choose_plan(ac: str, blocks: list[Block], profile, fixed: dict) -> list:
 
 
 def plan_figures(profile, plan: list, fixed: dict) -> dict:
-    """A plan's activation bytes, the step's planned peak and its recompute, from the profile."""
-    result = {"activation_bytes_planned": sum(kept_bytes(p, how) for p, how in zip(profile, plan)),
+    """A plan's activation bytes, the step's planned peak and its recompute, from the profile.
+
+    ZeRO-3's gathered weights (`fixed["zero3_gathered"]`, counted in `fixed["backward"]`) are held whole at the
+    end of the forward and the start of the backward; as the backward proceeds, the blocks it has finished
+    release theirs. At block i's backward the planner counts the share of them that belongs to blocks 0..i,
+    which matters where the activations peak late in the backward (a recomputed wide first block: Swin's)."""
+    kept = [kept_bytes(p, how) for p, how in zip(profile, plan)]
+    gathered, total = fixed.get("zero3_gathered", 0), sum(p.params for p in profile)
+    peak, before, params_so_far = fixed["backward"] + sum(kept), 0, 0
+    for p, how, k in zip(profile, plan, kept):
+        params_so_far += p.params
+        held = p.bytes_none if how in ("selective", "full") else k
+        released = gathered * (1 - params_so_far / total) if total else 0
+        peak = max(peak, fixed["backward"] - released + before + held + p.bytes_grad)
+        before += k
+    result = {"activation_bytes_planned": sum(kept),
               "activation_bytes_none": sum(p.bytes_none for p in profile),
               "activation_bytes_outside_blocks": profile.bytes_outside,
               "activation_peak_planned": activation_peak(profile, plan) + profile.bytes_outside,
-              # the step's peak: the activations' on top of what the backward starts with, or the optimizer step's
+              # the step's peak: the activations' on top of what the backward holds, or the optimizer step's
               "fixed_bytes_estimate": fixed["backward"]}
-    result["peak_bytes_planned"] = max(fixed["backward"] + result["activation_peak_planned"], fixed["optimizer_step"])
+    result["peak_bytes_planned"] = max(peak + profile.bytes_outside, fixed["optimizer_step"])
     fwd = sum(p.flops for p in profile)
     recompute = sum(recompute_cost(p, how) for p, how in zip(profile, plan))
     result["recompute_flops_fraction"] = recompute / (3 * fwd) if fwd else 0.0  # of forward + backward
@@ -373,10 +389,11 @@ def plan_figures(profile, plan: list, fixed: dict) -> dict:
 
 
 def apply_activation_checkpointing(model, ac: str, device_type: str, profile_images=None, fixed: dict = None,
-                                   log=print) -> dict:
+                                   log=print, profile: Profile = None) -> dict:
     """Wrap the model's blocks per policy `ac`; returns the plan that was applied (for the run directory).
 
-    `fixed`: the bytes that do not depend on the batch when the backward starts and at the optimizer step
+    `profile`: the blocks' profile at the micro-batch, if made already (engine/planner.py, on the meta device);
+    otherwise one forward of `profile_images` makes it. `fixed`: the bytes that do not depend on the batch when the backward starts and at the optimizer step
     (engine.memory.zero_memory_bytes); `auto` budgets the activations against them."""
     fixed = fixed or {"backward": 0, "optimizer_step": 0}
     name, arg = check_policy(ac, device_type)
@@ -386,14 +403,15 @@ def apply_activation_checkpointing(model, ac: str, device_type: str, profile_ima
     blocks = find_blocks(model)
     if not blocks:
         raise ConfigError(f"ac '{ac}': no transformer blocks found in {type(model).__name__}")
-    profile = None
-    if name in ("hierarchical", "auto") or profile_images is not None:
+    if profile is None and (name in ("hierarchical", "auto") or profile_images is not None):
         # Profile a small slice of the batch and scale: bytes and FLOPs are exact (tested), and the profile's
         # own activations (and the compute outputs it holds) stay far below the step's peak memory.
         # A copy, not a view: a view's storage is the whole batch, and the patch embedding saves its input,
         # which would be counted at the whole batch's size and then scaled again.
         small = profile_images[:PROFILE_BATCH].clone()
         profile = profile_blocks(model, small).scaled(len(profile_images) / len(small))
+    if profile is not None and [p.name for p in profile] != [b.name for b in blocks]:
+        raise RuntimeError(f"the profile's blocks ({len(profile)}) are not the model's ({len(blocks)})")
     plan = choose_plan(ac, blocks, profile, fixed)
     for i, (block, how) in enumerate(zip(blocks, plan)):
         if how != "none":

@@ -43,6 +43,13 @@ def test_cpu_smoke_suite(tmp_path):
     assert (tmp_path / "pareto.png").stat().st_size > 20_000
     md = (tmp_path / "results.md").read_text()
     assert "## Targets" in md and "ZeRO-3 + selective" in md and "torch 2.13.0" in md
+    # plan.py --validate on the same rows: its predicted peaks are the ones the runs planned with
+    planner = (tmp_path / "planner.md").read_text()
+    deepspeed_rows = [r for r in rows.values() if r["engine"] == "deepspeed"]
+    assert f"{len(deepspeed_rows)} rows; largest peak error" in planner
+    for r in deepspeed_rows:
+        if r["planned_peak_mib"]:
+            assert f"| {r['config']} | {float(r['planned_peak_mib']):.1f} |" in planner, r["config"]
 
 
 def test_worker_refuses_a_job_without_timed_steps(tmp_path):
