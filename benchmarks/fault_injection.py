@@ -111,14 +111,21 @@ def start(launcher: str, args: list, log_path: str, env_extra: dict | None = Non
     return proc
 
 
-def finish(proc, timeout: float) -> int:
+def finish(proc, timeout: float, linger: float = 60) -> int:
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     proc.log.close()
-    try:  # a rank left behind (stopped, or orphaned by its launcher) must not outlive the job
+    # The launcher may end before its ranks: `deepspeed` dies at SIGTERM at once while the ranks finish their
+    # step and checkpoint. Give them time to end on their own; then a rank left behind (a stopped one, or
+    # one orphaned by its launcher) must not outlive the job.
+    deadline = time.monotonic() + linger
+    try:
+        while time.monotonic() < deadline:
+            os.killpg(proc.pid, 0)
+            time.sleep(0.1)
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass

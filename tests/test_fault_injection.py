@@ -1,6 +1,6 @@
 """The fast variant of benchmarks/fault_injection.py: one real 2-rank job per fault that the other reliability
 tests do not already inject (a kill mid-save, mid-evaluation and mid-export, a failed and a full checkpoint disk, a
-truncated shard, and preemption and stalls under the launchers not covered there), each continued with
+truncated shard, and preemption, stalls and a dead rank under the launchers not covered there), each continued with
 `--resume latest` and compared with the uninterrupted debug run of conftest.stage_runs."""
 import pytest
 from conftest import DEBUG_ARGS
@@ -9,7 +9,8 @@ from benchmarks.fault_injection import Episode, can_mount, run_all
 
 CASES = [("kill-save", 3, "deepspeed"), ("kill-eval", 2, "deepspeed"), ("kill-export", 1, "deepspeed"),
          ("enospc", 3, "deepspeed"), ("disk-full", 2, "deepspeed"), ("shard-truncate", 2, "deepspeed"),
-         ("sigterm", 2, "accelerate"), ("stall", 2, "torchrun"), ("stall", 1, "accelerate")]
+         ("sigterm", 2, "accelerate"), ("stall", 2, "torchrun"), ("stall", 1, "accelerate"),
+         ("kill-rank", 3, "torchrun")]
 
 
 @pytest.mark.parametrize("kind,stage,launcher", CASES, ids=[f"{k}-zero{s}-{launch}" for k, s, launch in CASES])
@@ -32,7 +33,8 @@ def test_fault_is_survived(stage_runs, digits, tmp_path, kind, stage, launcher):
         assert ep.exit_codes == [0], detail
     else:  # the job ended, one relaunch continued it from the newest complete checkpoint
         assert len(ep.exit_codes) == 2 and ep.exit_codes[0] != 0 and ep.exit_codes[1] == 0, detail
-        assert ep.steps_lost < 20 or kind == "kill-save", detail  # kill-save loses up to two save intervals
+        # at most the steps since the newest complete checkpoint; a kill mid-save loses the interval it was saving
+        assert ep.steps_lost <= 20 if kind == "kill-save" else ep.steps_lost < 20, detail
 
 
 def test_episodes_are_drawn_from_the_seed():
