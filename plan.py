@@ -76,16 +76,17 @@ def describe(e: dict) -> str:
              f"step: {e['step_s'] * 1e3:.1f} ms = compute {e['compute_s'] * 1e3:.1f} ms "
              f"({e['flops_per_step_per_rank'] / 1e12:.2f} TFLOP per rank, recompute {e['recompute_fraction']:.1%}, at "
              f"{e['assumptions']['mfu']:.0%} of peak) + communication {e['comm_s'] * 1e3:.1f} ms "
-             f"({e['comm_bytes_per_step_per_rank'] / 1e9:.2f} GB per rank at {e['assumptions']['bandwidth_gbs']:g} GB/s, "
+             f"({e['comm_bytes_per_step_per_rank'] / 1e9:.2f} GB per rank, {e['comm_bytes_between_nodes'] / 1e9:.2f} GB of it "
+             f"between nodes at {e['assumptions']['inter_gbs']:g} GB/s, within at {e['assumptions']['intra_gbs']:g} GB/s; "
              f"{e['assumptions']['overlap']:.0%} hidden) | {e['images_per_s']:.0f} images/s"]
     return "\n".join(lines)
 
 
 def table(found: list, top: int) -> str:
-    rows = ["| # | ZeRO | micro | accum | ac | peak GiB | step s | images/s | compute s | comm s |",
+    rows = ["| # | ZeRO (++: ZeRO++) | micro | accum | ac | peak GiB | step s | images/s | compute s | comm s |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     for i, e in enumerate(found[:top]):
-        rows.append(f"| {i + 1} | {e['zero_stage']} | {e['micro_batch_size']} | {e['grad_accum_steps']} | {e['ac']} | "
+        rows.append(f"| {i + 1} | {e['zero_stage']}{'++' if e['zeropp'] else ''} | {e['micro_batch_size']} | {e['grad_accum_steps']} | {e['ac']} | "
                     f"{gib(e['peak_bytes'])} | {e['step_s']:.3f} | {e['images_per_s']:.0f} | {e['compute_s']:.3f} | "
                     f"{e['comm_s']:.3f} |")
     return "\n".join(rows)
@@ -101,7 +102,8 @@ def draw(estimates: list, path: str, title: str):
 
     parts = list(estimates[0]["memory"])
     fig, ax = plt.subplots(figsize=(max(7.0, 1.1 * len(estimates) + 1.5), 5.5))
-    labels = [f"Z{e['zero_stage']} mb{e['micro_batch_size']}x{e['grad_accum_steps']}\n{e['ac']}" for e in estimates]
+    labels = [f"Z{e['zero_stage']}{'++' if e['zeropp'] else ''} mb{e['micro_batch_size']}x{e['grad_accum_steps']}\n{e['ac']}"
+              for e in estimates]
     bottom = [0.0] * len(estimates)
     for part in parts:
         heights = [e["memory"][part] / 2**30 for e in estimates]
@@ -130,7 +132,9 @@ def write_plan(best: dict, cfg, ds_config: dict, out: str, a):
     with open(os.path.join(out, "config.yaml"), "w") as f:
         f.write(f"# plan.py's best configuration for {a.world_size} x {best['device']} (plan.json: the estimate).\n"
                 f"# Add train_shards, val_shards, output_dir and the schedule (lr, max_steps, ...) of your run.\n")
-        yaml.safe_dump({k: v for k, v in to_dict(cfg).items() if v != defaults[k]}, f, sort_keys=False)
+        planned = {"model", "num_labels", "image_size", "precision", "zero_stage", "micro_batch_size",
+                   "grad_accum_steps", "ac"}  # written even where they equal today's defaults
+        yaml.safe_dump({k: v for k, v in to_dict(cfg).items() if v != defaults[k] or k in planned}, f, sort_keys=False)
     with open(os.path.join(out, "ds_config.json"), "w") as f:
         json.dump(ds_config, f, indent=2)
     with open(os.path.join(out, "plan.json"), "w") as f:
@@ -204,7 +208,8 @@ def main(argv=None):
             raise ConfigError("world_size and ranks_per_node must be at least 1")
         precision = cfg.precision if cfg.precision != "auto" else ("bf16" if a.device != "cpu" else "fp32")
         hidden = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size).hidden_size
-        ds_for = lambda c: build_ds_config(c, hidden, a.world_size, precision)  # noqa: E731
+        ds_for = lambda c: build_ds_config(c, hidden, a.world_size, precision, a.ranks_per_node,  # noqa: E731
+                                           gpu=a.device != "cpu")
         mfu = a.mfu or DEFAULT_MFU
         if a.global_batch:
             found = search(cfg, ds_for, precision, a.world_size, a.ranks_per_node, device, a.global_batch, mfu,
@@ -227,7 +232,8 @@ def main(argv=None):
                                                f"{a.global_batch}: the {min(a.top, len(found))} fastest that fit")
             if a.out:
                 chosen = replace(cfg, zero_stage=best["zero_stage"], micro_batch_size=best["micro_batch_size"],
-                                 grad_accum_steps=best["grad_accum_steps"], ac=best["ac"], precision=precision)
+                                 grad_accum_steps=best["grad_accum_steps"], ac=best["ac"], precision=precision,
+                                 ds_config=best["ds_config_template"])
                 write_plan(best, chosen, ds_for(chosen), a.out, a)
                 if not a.json:
                     print(f"written: {a.out}/config.yaml, ds_config.json, plan.json, launch.sh")

@@ -55,21 +55,24 @@ def _walk(d: dict, prefix=""):
 ZEROPP_QUANTIZED = ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients")
 
 
-def _zeropp(zero: dict, where: str):
-    """Fill hpZ's "auto" partition size with the ranks per node; refuse quantized communication without a GPU."""
+def _zeropp(zero: dict, where: str, node_ranks: int | None, gpu: bool | None):
+    """Fill hpZ's "auto" partition size with the ranks per node; refuse quantized communication without a GPU.
+    `node_ranks`, `gpu`: the cluster a plan is for (plan.py), instead of this process's."""
     from engine.distributed import ranks_per_node
 
     if zero.get("zero_hpz_partition_size") == "auto":
-        zero["zero_hpz_partition_size"] = ranks_per_node()
+        zero["zero_hpz_partition_size"] = node_ranks or ranks_per_node()
     quantized = [k for k in ZEROPP_QUANTIZED if zero.get(k)]
-    if quantized and not torch.cuda.is_available():
+    if quantized and not (torch.cuda.is_available() if gpu is None else gpu):
         raise ConfigError(f"{where} sets {' and '.join(quantized)}: ZeRO++'s quantized communication runs "
                           f"DeepSpeed's CUDA quantizer kernels and needs a GPU; on CPU set them false (hierarchical "
                           f"partitioning, zero_hpz_partition_size, runs anywhere)")
 
 
-def build_ds_config(cfg: Config, hidden_size: int, world_size: int, precision: str) -> dict:
-    """The DeepSpeed config for this run: the template's explicit values win only where they agree."""
+def build_ds_config(cfg: Config, hidden_size: int, world_size: int, precision: str, ranks_per_node: int | None = None,
+                    gpu: bool | None = None) -> dict:
+    """The DeepSpeed config for this run: the template's explicit values win only where they agree.
+    `ranks_per_node`, `gpu`: the cluster a plan is for (plan.py); by default this process's."""
     path = cfg.ds_config or os.path.join(DS_CONFIG_DIR, f"zero{cfg.zero_stage}.json")
     try:
         with open(path) as f:
@@ -121,7 +124,7 @@ def build_ds_config(cfg: Config, hidden_size: int, world_size: int, precision: s
     for key, value in auto_sizes.items():
         if zero.get(key) == "auto":
             zero[key] = value
-    _zeropp(zero, where)
+    _zeropp(zero, where, ranks_per_node, gpu)
     leftover = [k for k, v in _walk(ds) if v == "auto"]
     if leftover:
         raise ConfigError(f"{where} has \"auto\" fields this trainer cannot fill: {', '.join(leftover)}")

@@ -44,12 +44,16 @@ def zero_memory_parts(n_params: int, zero_stage: int, world_size: int, precision
     """zero_memory_bytes's terms, per rank: weights (whole, or ZeRO-3's partition), gradients (ZeRO-2/3's
     partition, ZeRO-1's whole gradients between micro-batches), optimizer_states (fp32 master and AdamW's
     moments), zero3_gathered (prefetch bucket and live gathered weights) and optimizer_step_temporaries (the
-    fp32 gradient partition, AdamW's two temporaries and ZeRO-1's reduced gradient partition)."""
+    fp32 gradient partition, AdamW's two temporaries and ZeRO-1's reduced gradient partition); with ZeRO++'s hpZ,
+    zero3_secondary (the weights' secondary partition over the ranks of a node, which the backward gathers from)."""
     weight = grad = 2 if precision in ("bf16", "fp16") else 4
     n, part = n_params, n_params / world_size
     zero = ds_config.get("zero_optimization", {})
     parts = {"weights": weight * (part if zero_stage == 3 else n), "gradients": 0, "optimizer_states": 12 * part,
-             "zero3_gathered": 0}
+             "zero3_gathered": 0, "zero3_secondary": 0}
+    hpz = zero.get("zero_hpz_partition_size", 1)
+    if zero_stage == 3 and isinstance(hpz, int) and hpz > 1:  # ZeRO++'s hpZ: a secondary partition per node
+        parts["zero3_secondary"] = weight * n / hpz
     if zero_stage == 3:
         live = min(zero.get("stage3_max_live_parameters", n), n)
         if zero.get("stage3_max_reuse_distance", 0) >= n:

@@ -2,7 +2,6 @@
 configuration that fits, from a profile of the model on the meta device (no weight is allocated, so a 22B model
 plans on a laptop). The accounting is the one `ac: auto` plans with (engine/memory.py, models/checkpointing.py);
 docs/planner.md says what is counted, what is assumed and how close it is to what was measured."""
-import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -16,6 +15,7 @@ from models.checkpointing import PROFILE_BATCH, choose_plan, plan_figures, profi
 from models.registry import model_config
 
 GiB = 2**30
+ZEROPP_TEMPLATE = "ds_configs/zero3pp.json"
 
 
 @dataclass(frozen=True)
@@ -80,14 +80,31 @@ def profile(cfg: Config, device_type: str, dtype: torch.dtype = torch.float32):
             largest, ops.count)
 
 
-def comm_bytes(n_params: int, zero_stage: int, grad_accum: int, world_size: int, weight_bytes: int) -> float:
-    """Bytes each rank sends per optimizer step (ring collectives, (N-1)/N of each tensor; Rajbhandari et al.
-    2020): ZeRO-1 reduce-scatters the gradients once and all-gathers the updated weights; ZeRO-2 reduce-scatters
-    after every micro-batch (it keeps only its gradient partition); ZeRO-3 also all-gathers the weights in the
-    forward and again in the backward of every micro-batch. Gradients travel in the weights' precision."""
+def comm_bytes(n_params: int, zero_stage: int, grad_accum: int, world_size: int, ranks_per_node: int,
+               weight_bytes: int, zero: dict) -> tuple[float, float]:
+    """(bytes within a node, bytes between nodes) each rank sends per optimizer step, ring collectives moving
+    (N-1)/N of each tensor (Rajbhandari et al. 2020). ZeRO-1 reduce-scatters the gradients once and all-gathers
+    the updated weights; ZeRO-2 reduce-scatters after every micro-batch (it keeps only its gradient partition);
+    ZeRO-3 also all-gathers the weights in the forward and again in the backward of every micro-batch. Gradients
+    travel in the weights' precision. ZeRO++ (Wang et al. 2023): qwZ gathers int8 weights (1 byte), hpZ gathers
+    the backward's weights from a secondary partition within the node, qgZ reduces int4 gradients (0.5 byte)."""
     share = (world_size - 1) / world_size if world_size > 1 else 0.0
-    volumes = {1: 2, 2: grad_accum + 1, 3: 3 * grad_accum}[zero_stage]
-    return volumes * n_params * weight_bytes * share
+    multi_node = world_size > ranks_per_node
+    if zero_stage in (1, 2):
+        total = (2 if zero_stage == 1 else grad_accum + 1) * n_params * weight_bytes * share
+        return (0.0, total) if multi_node else (total, 0.0)
+    hpz = zero.get("zero_hpz_partition_size", 1)
+    hpz = hpz if isinstance(hpz, int) and hpz > 1 else 1
+    forward = n_params * (1 if zero.get("zero_quantized_weights") else weight_bytes) * share
+    grads = n_params * (0.5 if zero.get("zero_quantized_gradients") else weight_bytes) * share
+    backward = n_params * weight_bytes * ((hpz - 1) / hpz if hpz > 1 else share)
+    intra = inter = 0.0
+    for volume, local in ((forward, False), (backward, hpz > 1), (grads, False)):
+        if local or not multi_node:
+            intra += volume * grad_accum
+        else:
+            inter += volume * grad_accum
+    return intra, inter
 
 
 def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, ranks_per_node: int, device: Device,
@@ -111,10 +128,13 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
     # about twice the forward's), which the device cannot outrun
     micro_s = max(flops / cfg.grad_accum_steps / (device.flops * mfu), 3 * n_ops * device.op_overhead_s)
     compute_s = micro_s * cfg.grad_accum_steps
-    nodes = math.ceil(world_size / ranks_per_node)
-    bandwidth = (device.inter_gbs if nodes > 1 else device.intra_gbs) * 1e9
-    sent = comm_bytes(n_params, cfg.zero_stage, cfg.grad_accum_steps, world_size, weight_bytes)
-    comm_s = sent / bandwidth
+    zero = ds_config.get("zero_optimization", {})
+    intra, inter = comm_bytes(n_params, cfg.zero_stage, cfg.grad_accum_steps, world_size, ranks_per_node,
+                              weight_bytes, zero)
+    sent = intra + inter
+    comm_s = intra / (device.intra_gbs * 1e9) + inter / (device.inter_gbs * 1e9)
+    zeropp = cfg.zero_stage == 3 and bool(zero.get("zero_quantized_weights") or zero.get("zero_quantized_gradients")
+                                          or zero.get("zero_hpz_partition_size", 1) > 1)
     step_s = compute_s + (1 - overlap) * comm_s
     capacity = (device.memory_gib - RESERVED_GIB) * (1 - ALLOCATOR_MARGIN) * GiB
     return {
@@ -129,9 +149,10 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
         "capacity_bytes": int(capacity), "fits": peak <= capacity,
         "flops_per_step_per_rank": flops, "forward_flops_per_image": fwd_flops,
         "recompute_fraction": figures["recompute_flops_fraction"],
-        "comm_bytes_per_step_per_rank": sent, "compute_s": compute_s, "comm_s": comm_s, "step_s": step_s,
+        "comm_bytes_per_step_per_rank": sent, "comm_bytes_between_nodes": inter, "zeropp": bool(zeropp),
+        "ds_config_template": cfg.ds_config, "compute_s": compute_s, "comm_s": comm_s, "step_s": step_s,
         "images_per_s": images * world_size / step_s,
-        "assumptions": {"mfu": mfu, "overlap": overlap, "bandwidth_gbs": bandwidth / 1e9,
+        "assumptions": {"mfu": mfu, "overlap": overlap, "intra_gbs": device.intra_gbs, "inter_gbs": device.inter_gbs,
                         "reserved_gib": RESERVED_GIB, "allocator_margin": ALLOCATOR_MARGIN,
                         "op_overhead_s": device.op_overhead_s, "ops_per_forward": n_ops},
     }
@@ -156,12 +177,15 @@ def search(cfg: Config, ds_config_for, precision: str, world_size: int, ranks_pe
     base = profile(replace(cfg, micro_batch_size=PROFILE_BATCH), "cuda" if device.name != "cpu" else "cpu",
                    DTYPES[precision])
     found = []
-    for stage in (1, 2, 3):
+    # ZeRO-3 also with ZeRO++ (ds_configs/zero3pp.json: hpZ over a node, quantized weights and gradients) when
+    # the job spans nodes: within one node hpZ's secondary partition would be the primary one
+    variants = [(1, ""), (2, ""), (3, "")] + ([(3, ZEROPP_TEMPLATE)] if world_size > ranks_per_node else [])
+    for stage, template in variants:
         for micro in micro_batches:
             scaled = (base[0].scaled(micro / PROFILE_BATCH), *base[1:])
             for ac in policies:
                 candidate = replace(cfg, zero_stage=stage, micro_batch_size=micro,
-                                    grad_accum_steps=per_rank // micro, ac=ac)
+                                    grad_accum_steps=per_rank // micro, ac=ac, ds_config=template)
                 est = estimate(candidate, ds_config_for(candidate), precision, world_size, ranks_per_node, device,
                                mfu, overlap, scaled)
                 if est["fits"]:
