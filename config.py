@@ -1,10 +1,12 @@
 """Every run-config key, its type, default and meaning: the one place they are defined.
 
 Resolution order: the defaults below, then a YAML recipe (`--config configs/X.yaml`), then
-`--key value` on the command line. Unknown keys and values of the wrong type are errors.
+`--key value` on the command line, then what `accelerate launch`'s DeepSpeed plugin says (it must agree with keys
+given above). Unknown keys and values of the wrong type are errors.
 The defaults are the main job: a small ViT on the bundled digits shards.
 """
 import dataclasses
+import os
 import sys
 from dataclasses import dataclass
 
@@ -130,7 +132,7 @@ def parse(argv=None) -> Config:
         else:
             pairs.append((key, value))
 
-    cfg = Config()
+    cfg, given = Config(), {}
     if recipe:
         try:
             with open(recipe) as f:
@@ -143,10 +145,57 @@ def parse(argv=None) -> Config:
             raise ConfigError(f"config file '{recipe}' must hold a mapping of key: value")
         for key, value in loaded.items():
             _set(cfg, key, value, from_cli=False, where=recipe)
+            given[key] = recipe
     for key, value in pairs:
         _set(cfg, key, value, from_cli=True, where="the command line")
+        given[key] = "the command line"
+    _accelerate(cfg, given, os.environ)
     _check(cfg)
     return cfg
+
+
+def _accelerate(cfg: Config, given: dict, env):
+    """`accelerate launch --config_file X.yaml` with `distributed_type: DEEPSPEED` passes its DeepSpeed plugin's
+    settings as ACCELERATE_* variables: they set ds_config, zero_stage, grad_accum_steps, grad_clip and
+    precision. A key the recipe or the command line also gives must agree; a contradiction is an error naming
+    both. mixed_precision `no` (accelerate's default) leaves `precision` to this config."""
+    if env.get("ACCELERATE_USE_DEEPSPEED") != "true":
+        return
+    import json
+
+    def take(key, value, what):
+        if key in given and getattr(cfg, key) != value:
+            raise ConfigError(f"the accelerate config sets {what} but {given[key]} says {key} "
+                              f"{getattr(cfg, key)}: remove one of them")
+        setattr(cfg, key, value)
+
+    path = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if path:
+        take("ds_config", path, f"deepspeed_config_file {path}")
+        try:
+            with open(path) as f:
+                stage = json.load(f).get("zero_optimization", {}).get("stage")
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"the accelerate config's deepspeed_config_file '{path}' cannot be read: {e}") from None
+        if isinstance(stage, int):
+            take("zero_stage", stage, f"ZeRO stage {stage} (in {path})")
+    if "ACCELERATE_DEEPSPEED_ZERO_STAGE" in env:
+        take("zero_stage", int(env["ACCELERATE_DEEPSPEED_ZERO_STAGE"]), f"zero_stage {env['ACCELERATE_DEEPSPEED_ZERO_STAGE']}")
+    if "ACCELERATE_GRADIENT_ACCUMULATION_STEPS" in env:
+        steps = int(env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"])
+        take("grad_accum_steps", steps, f"gradient_accumulation_steps {steps}")
+    if "ACCELERATE_GRADIENT_CLIPPING" in env and env["ACCELERATE_GRADIENT_CLIPPING"] not in ("none", "auto"):
+        clip = float(env["ACCELERATE_GRADIENT_CLIPPING"])
+        take("grad_clip", clip, f"gradient_clipping {clip:g}")
+    precision = env.get("ACCELERATE_MIXED_PRECISION", "no")
+    if precision in ("bf16", "fp16"):
+        take("precision", precision, f"mixed_precision {precision}")
+    elif precision != "no":
+        raise ConfigError(f"the accelerate config's mixed_precision {precision} is not supported: use no, bf16 or fp16")
+    offload = [k for k in ("OPTIMIZER", "PARAM") if env.get(f"ACCELERATE_DEEPSPEED_OFFLOAD_{k}_DEVICE", "none") != "none"]
+    if offload:
+        raise ConfigError(f"the accelerate config's offload_{offload[0].lower()}_device is not supported by train.py "
+                          f"yet: train without offload")
 
 
 def _check(cfg: Config):

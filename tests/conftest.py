@@ -23,11 +23,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(args, nproc=2, launcher="deepspeed", timeout=300, check=True, warnings=False):
+def launch(args, nproc=2, launcher="deepspeed", timeout=300, check=True, warnings=False, accelerate_config=None):
     """Run train.py as real processes: `deepspeed`, `torchrun`, `accelerate` or plain `python` (1 rank).
-    `warnings`: leave Python's warnings on, as a user has them."""
+    `warnings`: leave Python's warnings on, as a user has them. `accelerate_config`: `accelerate launch
+    --config_file` with that file (its DeepSpeed plugin) instead of the plain torchrun path."""
     port = str(free_port())
-    if launcher == "deepspeed":
+    if accelerate_config:
+        cmd = [f"{BIN}/accelerate", "launch", "--config_file", accelerate_config, "--num_processes", str(nproc),
+               "--main_process_port", port, "train.py"]
+    elif launcher == "deepspeed":
         cmd = [f"{BIN}/deepspeed", "--num_gpus", str(nproc), "--master_port", port, "train.py"]
     elif launcher == "torchrun":
         cmd = [f"{BIN}/torchrun", "--nproc_per_node", str(nproc), "--master_port", port, "train.py"]

@@ -1,7 +1,9 @@
 """train.py runs unchanged under torchrun, accelerate launch and plain python."""
+import json
 import os
 
 import numpy as np
+import pytest
 from conftest import launch, read_metrics
 
 
@@ -29,6 +31,26 @@ def test_accelerate_launch_two_ranks(debug_args, tmp_path):
                   launcher="accelerate")
     assert "world size 2" in proc.stdout and "done:" in proc.stdout
     assert len(read_metrics(tmp_path / "run")) == 5
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_accelerate_deepspeed_plugin_sets_the_stage(stage_runs, debug_args, tmp_path, stage):
+    """`accelerate launch --config_file accelerate_configs/zeroN.yaml`, as accelerate users run DeepSpeed: the run
+    takes ZeRO-N from the config's DeepSpeed JSON and reproduces the deepspeed launcher's ZeRO-N losses bitwise."""
+    run = tmp_path / "run"
+    launch(debug_args + ["--model", "vit-debug", "--output_dir", run], accelerate_config=f"accelerate_configs/zero{stage}.yaml")
+    assert json.loads((run / "ds_config.json").read_text())["zero_optimization"]["stage"] == stage
+    assert [r["loss"] for r in read_metrics(run)] == [r["loss"] for r in read_metrics(stage_runs["vit-debug", stage])]
+
+
+def test_accelerate_config_contradicting_the_run_config_is_one_error(debug_args, tmp_path):
+    proc = launch(debug_args + ["--zero_stage", 2, "--output_dir", tmp_path / "run"], check=False,
+                  accelerate_config="accelerate_configs/zero3.yaml")
+    assert proc.returncode != 0
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
+    assert errors == ["error: the accelerate config sets ZeRO stage 3 (in ds_configs/zero3.json) but the command "
+                      "line says zero_stage 2: remove one of them"]
+    assert not (tmp_path / "run").exists()
 
 
 def test_plain_python_one_rank(debug_args, tmp_path):
