@@ -9,8 +9,8 @@ import torch
 from config import Config, ConfigError
 from engine import compat
 from engine.parallelize import DTYPES
-from engine.memory import zero_memory_parts
-from models.blocks import find_blocks
+from engine.memory import zero_memory_bytes, zero_memory_parts
+from models.blocks import Block, find_blocks
 from models.checkpointing import PROFILE_BATCH, choose_plan, plan_figures, profile_blocks
 from models.registry import model_config
 
@@ -51,33 +51,23 @@ def meta_model(cfg: Config):
         return AutoModelForImageClassification.from_config(config)
 
 
-class _OpCounter(compat.dispatch_mode_class()):
-    """Operators a forward dispatches (each is at least one kernel launch on a GPU), views excepted."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += not func.is_view
-        return func(*args, **(kwargs or {}))
-
-
 def profile(cfg: Config, device_type: str, dtype: torch.dtype = torch.float32):
-    """(block profile at the run's micro-batch, forward FLOPs per image, parameters, largest block's parameters,
-    operators per forward) from a forward of PROFILE_BATCH images on the meta device. Attention runs as the fused kernel torch's SDPA
-    picks on `device_type` (flash attention), whose saved tensors differ from the math fallback meta would take."""
+    """(block profile at the run's micro-batch, parameters, largest block's parameters) from a forward of
+    PROFILE_BATCH images on the meta device, in `dtype` (DeepSpeed's bf16 and fp16 run the whole model in it).
+    Attention runs as the fused kernel torch's SDPA picks on `device_type` (flash attention), whose saved
+    tensors differ from the math fallback meta would take."""
     model = meta_model(cfg).to(dtype)
     images = torch.empty(PROFILE_BATCH, 3, cfg.image_size, cfg.image_size, device="meta", dtype=dtype)
     with compat.sdpa_as_on(device_type):
         prof = profile_blocks(model, images)
-        counter, ops = compat.flop_counter(), _OpCounter()
-        with counter, ops:
-            model(images)
     n_params = sum(p.numel() for p in model.parameters())
     largest = max(sum(p.numel() for p in b.module.parameters()) for b in find_blocks(model))
-    return (prof.scaled(cfg.micro_batch_size / PROFILE_BATCH), counter.get_total_flops() / PROFILE_BATCH, n_params,
-            largest, ops.count)
+    return prof.scaled(cfg.micro_batch_size / PROFILE_BATCH), n_params, largest
+
+
+def _target(device: "Device") -> str:
+    """The device type whose kernels a plan for `device` profiles with."""
+    return "cpu" if device.name == "cpu" else "cuda"
 
 
 def comm_bytes(n_params: int, zero_stage: int, grad_accum: int, world_size: int, ranks_per_node: int,
@@ -110,12 +100,10 @@ def comm_bytes(n_params: int, zero_stage: int, grad_accum: int, world_size: int,
 def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, ranks_per_node: int, device: Device,
              mfu: float = DEFAULT_MFU, overlap: float = 0.0, measured=None) -> dict:
     """Per-rank peak memory by part and step time of one configuration. `measured`: a profile() result to reuse."""
-    prof, fwd_flops, n_params, largest, n_ops = measured or profile(cfg, "cuda" if device.name != "cpu" else "cpu",
-                                                                    DTYPES[precision])
+    prof, n_params, largest = measured or profile(cfg, _target(device), DTYPES[precision])
+    fwd_flops, n_ops = prof.forward_flops / cfg.micro_batch_size, prof.ops
     parts = zero_memory_parts(n_params, cfg.zero_stage, world_size, precision, ds_config)
-    fixed_backward = sum(v for k, v in parts.items() if k != "optimizer_step_temporaries")
-    fixed = {"backward": fixed_backward, "optimizer_step": fixed_backward + parts["optimizer_step_temporaries"],
-             "zero3_gathered": parts["zero3_gathered"]}
+    fixed = zero_memory_bytes(n_params, cfg.zero_stage, world_size, precision, ds_config)
     plan = choose_plan(cfg.ac, _blocks_of(prof), prof, fixed)
     figures = plan_figures(prof, plan, fixed)
     activations = figures["activation_peak_planned"]
@@ -160,8 +148,6 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
 
 def _blocks_of(prof):
     """Stand-ins for the model's blocks where only their profile is known (what choose_plan reads)."""
-    from models.blocks import Block
-
     return [Block(name=p.name, module=None, index=i, stage=p.stage) for i, p in enumerate(prof)]
 
 
@@ -174,8 +160,7 @@ def search(cfg: Config, ds_config_for, precision: str, world_size: int, ranks_pe
     per_rank = global_batch // world_size
     micro_batches = [m for m in (2**i for i in range(0, 13)) if per_rank % m == 0] or [1]
     policies = policies or ("none", "selective", "full")
-    base = profile(replace(cfg, micro_batch_size=PROFILE_BATCH), "cuda" if device.name != "cpu" else "cpu",
-                   DTYPES[precision])
+    base = profile(replace(cfg, micro_batch_size=PROFILE_BATCH), _target(device), DTYPES[precision])
     found = []
     # ZeRO-3 also with ZeRO++ (ds_configs/zero3pp.json: hpZ over a node, quantized weights and gradients) when
     # the job spans nodes: within one node hpZ's secondary partition would be the primary one
@@ -197,7 +182,7 @@ def search(cfg: Config, ds_config_for, precision: str, world_size: int, ranks_pe
 def smallest_cluster(cfg: Config, ds_config_for, precision: str, ranks_per_node: int, device: Device,
                      limit: int = 2**20):
     """The fewest ranks (a power of two) on which ZeRO-3 with full recompute at micro-batch 1 fits, or None."""
-    base = profile(replace(cfg, micro_batch_size=1), "cuda" if device.name != "cpu" else "cpu", DTYPES[precision])
+    base = profile(replace(cfg, micro_batch_size=1), _target(device), DTYPES[precision])
     world = 1
     while world <= limit:
         candidate = replace(cfg, zero_stage=3, micro_batch_size=1, grad_accum_steps=1, ac="full")

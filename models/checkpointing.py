@@ -145,7 +145,7 @@ class _OpRecorder(compat.dispatch_mode_class()):
 
     def __init__(self):
         super().__init__()
-        self.block, self.compute_outputs, self.cheap_ops, self.packs = None, {}, {}, {}
+        self.block, self.compute_outputs, self.cheap_ops, self.packs, self.ops = None, {}, {}, {}, 0
         # storage address -> (block, index of the compute op) it was copied or rescaled from
         self.copied_from = {}
         # Compute outputs (and copies of them) are matched to saved tensors by storage address; holding them
@@ -155,6 +155,7 @@ class _OpRecorder(compat.dispatch_mode_class()):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        self.ops += not func.is_view
         if self.block is not None:
             outs = out if isinstance(out, (tuple, list)) else (out,)
             tensors = [t for t in outs if isinstance(t, torch.Tensor)]
@@ -180,12 +181,16 @@ class _OpRecorder(compat.dispatch_mode_class()):
 
 class Profile(list):
     """The blocks' profiles, in forward order, and the activation bytes saved outside any block (the stem,
-    Swin's patch merging, the final norm and head), which no policy changes."""
+    Swin's patch merging, the final norm and head), which no policy changes; the whole forward's FLOPs, and the
+    operators it dispatches (views excepted: each of the others is at least one kernel launch on a GPU)."""
     bytes_outside: int = 0
+    forward_flops: int = 0
+    ops: int = 0
 
     def scaled(self, factor: float) -> "Profile":
         out = Profile(p.scaled(factor) for p in self)
         out.bytes_outside = round(self.bytes_outside * factor)
+        out.forward_flops, out.ops = round(self.forward_flops * factor), self.ops
         return out
 
 
@@ -239,6 +244,7 @@ def profile_blocks(model, images: torch.Tensor) -> Profile:
         recorder.alive.clear()
     per_module = flops.get_flop_counts()
     out = Profile()
+    out.forward_flops, out.ops = flops.get_total_flops(), recorder.ops
     in_blocks = {ptr for b in blocks for ptr in saved[b.name]}
     out.bytes_outside = sum(n for ptr, n in saved.get(None, {}).items() if ptr not in in_blocks)
     for b in blocks:
@@ -292,15 +298,16 @@ def recompute_cost(p: BlockProfile, how: str) -> int:
     return recompute_flops(p, how) + (p.cheap_elems if how in ("selective", "full") else 0)
 
 
-def activation_peak(profile: list[BlockProfile], plan: list) -> int:
+def activation_peak(profile: list[BlockProfile], plan: list, released: list | None = None) -> int:
     """Activation bytes at the step's highest point under `plan`: the end of the forward (every block's kept
     bytes), or some block's backward, which holds its gradients and, if the block is recomputed, all it
-    would have saved, while the blocks before it still hold theirs (the blocks after it are done and freed)."""
+    would have saved, while the blocks before it still hold theirs (the blocks after it are done and freed).
+    `released[i]`: other bytes freed by the time block i's backward runs, taken off that moment."""
     kept = [kept_bytes(p, how) for p, how in zip(profile, plan)]
     peak, before = sum(kept), 0
-    for p, how, k in zip(profile, plan, kept):
+    for i, (p, how, k) in enumerate(zip(profile, plan, kept)):
         held = p.bytes_none if how in ("selective", "full") else k
-        peak = max(peak, before + held + p.bytes_grad)
+        peak = max(peak, before + held + p.bytes_grad - (released[i] if released else 0))
         before += k
     return peak
 
@@ -366,21 +373,18 @@ def plan_figures(profile, plan: list, fixed: dict) -> dict:
     release theirs. At block i's backward the planner counts the share of them that belongs to blocks 0..i,
     which matters where the activations peak late in the backward (a recomputed wide first block: Swin's)."""
     kept = [kept_bytes(p, how) for p, how in zip(profile, plan)]
-    gathered, total = fixed.get("zero3_gathered", 0), sum(p.params for p in profile)
-    peak, before, params_so_far = fixed["backward"] + sum(kept), 0, 0
-    for p, how, k in zip(profile, plan, kept):
-        params_so_far += p.params
-        held = p.bytes_none if how in ("selective", "full") else k
-        released = gathered * (1 - params_so_far / total) if total else 0
-        peak = max(peak, fixed["backward"] - released + before + held + p.bytes_grad)
-        before += k
+    gathered, total, so_far, released = fixed.get("zero3_gathered", 0), sum(p.params for p in profile), 0, []
+    for p in profile:
+        so_far += p.params
+        released.append(gathered * (1 - so_far / total) if total else 0)
     result = {"activation_bytes_planned": sum(kept),
               "activation_bytes_none": sum(p.bytes_none for p in profile),
               "activation_bytes_outside_blocks": profile.bytes_outside,
               "activation_peak_planned": activation_peak(profile, plan) + profile.bytes_outside,
               # the step's peak: the activations' on top of what the backward holds, or the optimizer step's
               "fixed_bytes_estimate": fixed["backward"]}
-    result["peak_bytes_planned"] = max(peak + profile.bytes_outside, fixed["optimizer_step"])
+    result["peak_bytes_planned"] = max(fixed["backward"] + activation_peak(profile, plan, released)
+                                       + profile.bytes_outside, fixed["optimizer_step"])
     fwd = sum(p.flops for p in profile)
     recompute = sum(recompute_cost(p, how) for p, how in zip(profile, plan))
     result["recompute_flops_fraction"] = recompute / (3 * fwd) if fwd else 0.0  # of forward + backward
