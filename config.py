@@ -24,6 +24,10 @@ class Config:
     num_labels: int = 10  # classifier classes; the head is re-initialised when a local model has another count
     image_size: int = 16  # input resolution (square); the model's positional embeddings follow it
     patch_size: int = 0  # 0 = the registry size's own patch size
+    drop_path: float = 0.0  # stochastic depth: the last block's drop rate, rising linearly from 0 (DeiT-B 0.1, Swin-B 0.5)
+    # fine-tuning
+    freeze: str = ""  # parameters not trained: "backbone" (all but the classifier: a linear probe) or comma-separated name patterns (fnmatch)
+    layer_decay: float = 1.0  # layer-wise lr decay: of L blocks, block i trains at lr x layer_decay^(L+1-i), the head at lr (BEiT/MAE: 0.65-0.75)
     # data
     train_shards: str = "data/digits/train-{000000..000003}.tar"  # WebDataset shard spec (brace pattern)
     val_shards: str = "data/digits/val-000000.tar"  # WebDataset shard spec for evaluation
@@ -52,6 +56,8 @@ class Config:
     weight_decay: float = 0.05  # AdamW decay; never applied to norms, biases, position embeddings, class token
     beta1: float = 0.9  # AdamW beta1
     beta2: float = 0.999  # AdamW beta2
+    ema_decay: float = 0.0  # EMA of the weights, updated every optimizer step with this decay (DeiT: 0.99996); 0 = off
+    export_ema: bool = False  # hf_model/ holds the EMA weights instead of the live ones (needs ema_decay)
     max_bad_steps: int = 5  # stop after this many steps in a row with a non-finite loss or gradients (each is skipped)
     grad_clip: float = 1.0  # clip the global gradient norm to this; 0 = off
     label_smoothing: float = 0.1  # cross-entropy label smoothing (DeiT's 0.1)
@@ -212,6 +218,14 @@ def _check(cfg: Config):
     for key in ("dist_timeout", "preempt_grace"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"config key '{key}' must be positive, got {getattr(cfg, key)}")
+    if not 0 <= cfg.drop_path < 1:
+        raise ConfigError(f"config key 'drop_path' must be in [0, 1), got {cfg.drop_path}")
+    if not 0 < cfg.layer_decay <= 1:
+        raise ConfigError(f"config key 'layer_decay' must be in (0, 1] (1 = off), got {cfg.layer_decay}")
+    if not 0 <= cfg.ema_decay < 1:
+        raise ConfigError(f"config key 'ema_decay' must be in [0, 1) (0 = off), got {cfg.ema_decay}")
+    if cfg.export_ema and not cfg.ema_decay:
+        raise ConfigError("export_ema needs an EMA of the weights: set ema_decay (e.g. 0.9999)")
     if cfg.lr <= 0:
         raise ConfigError(f"config key 'lr' must be positive, got {cfg.lr}")
     if not cfg.output_dir:

@@ -20,6 +20,7 @@ import shutil
 import signal
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -34,9 +35,12 @@ from engine.distributed import (DistributedError, Heartbeat, dist_env, exit_dist
                                 init_distributed)
 from engine.memory import memory_profiler, memory_trace, peak_memory_bytes
 from engine.preemption import EXIT_PREEMPTED, Preemption
-from engine import compat
+from engine import compat, figures
 from engine.checkpoint import find_resume, remove_interrupted, save, to_universal
+from engine.ema import EMA
+from engine.optim import frozen_names
 from engine.parallelize import build_engine, build_training_model, engine_config
+from engine.planner import meta_model
 from models import model_config
 from models.checkpointing import check_policy
 
@@ -59,7 +63,13 @@ def check_run(cfg: Config, world_size: int, rank: int):
         raise ConfigError(f"num_labels is {cfg.num_labels} but the train shards' _info.json lists {len(names)} classes")
     # an unknown model name raises here, with the list of known ones; a contradicting DeepSpeed JSON below
     hidden = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size).hidden_size
+    if cfg.freeze:  # a pattern that names no parameter fails here, on the model's shapes alone
+        frozen_names([n for n, _ in meta_model(cfg).named_parameters()], cfg.freeze)
     _, ds_config = engine_config(cfg, hidden, world_size)
+    offload = ds_config["zero_optimization"].get("offload_param", {}).get("device", "none")
+    if cfg.ema_decay and offload == "nvme":
+        raise ConfigError("ema_decay with offload_param on nvme: the EMA averages the weights' partitions in memory, "
+                          "and NVMe-offloaded partitions are not there; offload to cpu or set ema_decay 0")
     check_policy(cfg.ac, "cuda" if torch.cuda.is_available() else "cpu")
     if cfg.data_streams and (why := check_streams(cfg.data_streams, world_size, cfg.grad_accum_steps, cfg.num_workers)):
         raise ConfigError(f"data_streams: {why}")
@@ -88,11 +98,21 @@ def check_run(cfg: Config, world_size: int, rank: int):
     return train_sources, val_sources, names, ds_config, resume
 
 
+@dataclass
+class Evaluation:
+    top1: float
+    top5: float
+    confusion: torch.Tensor  # (num_labels, num_labels) counts over every rank: rows true, columns predicted
+    shown: tuple  # (images, labels, predictions) of this rank's first images, for the prediction grid
+
+
 @torch.no_grad()
-def evaluate(engine, loader, dtype, device):
-    """(top-1, top-5) over the whole validation set, reduced over ranks."""
+def evaluate(engine, loader, dtype, device, num_labels: int) -> Evaluation:
+    """Top-1, top-5 and the confusion matrix over the whole validation set, reduced over ranks."""
     engine.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # correct@1, correct@5, count
+    confusion = torch.zeros(num_labels * num_labels, dtype=torch.float64, device=device)
+    shown = None
     batches, dummy = iter(loader), None
     while True:
         batch = next(batches, None)
@@ -113,9 +133,14 @@ def evaluate(engine, loader, dtype, device):
         # the count on the GPU as well: torch.stack does not move a CPU scalar the way arithmetic does
         count = torch.tensor(len(labels), device=device)
         totals += torch.stack([hits[:, 0].sum(), hits.any(-1).sum(), count]).to(totals)
+        confusion += torch.bincount(labels * num_labels + top[:, 0], minlength=num_labels * num_labels).to(confusion)
+        if shown is None:
+            shown = (batch[0][:16], batch[1][:16], top[:16, 0].cpu())
     dist.all_reduce(totals)
+    dist.all_reduce(confusion)
     engine.train()
-    return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
+    return Evaluation((totals[0] / totals[2]).item(), (totals[1] / totals[2]).item(),
+                      confusion.view(num_labels, num_labels).cpu(), shown)
 
 
 def export_hf_model(engine, processor, out_dir: str, rank: int) -> bool:
@@ -232,7 +257,7 @@ def main(argv=None):
     # the initial weights come from the seed alone; under ZeRO-3 every parameter is partitioned as it is created,
     # so no rank holds the whole model
     heartbeat.beat("building the model")
-    model, processor = build_training_model(cfg, ds_config, names)
+    model, processor = build_training_model(cfg, ds_config, names, log=print if rank == 0 else None)
     torch.manual_seed(cfg.seed)  # dropout and stochastic depth draw from here, however the model was built
     n_params = sum(compat.param_numel(p) for p in model.parameters())
     heartbeat.beat("wrapping the model")
@@ -270,6 +295,10 @@ def main(argv=None):
         if rank == 0:
             print(f"resumed from {path} at step {start_step}" + (
                 "" if data_state else f"; data order restarts ({why_not})"))
+    # the EMA of the weights: each rank averages what it holds of them (under ZeRO-3 its partition)
+    ema = EMA(engine.module, cfg.ema_decay) if cfg.ema_decay else None
+    if ema and resume and not ema.load(resume.path) and rank == 0:
+        print(f"ema: {resume.path} holds no EMA; it starts from the resumed weights")
 
     # ------------------------------------------------------------------ data
     # Every rank and worker reads its own deterministic slice; a checkpoint's data position makes a resumed
@@ -331,12 +360,24 @@ def main(argv=None):
                     tag = key if "/" in key else ("val/" if key.startswith("val_") else "train/") + key
                     writer.add_scalar(tag, value, record["step"])
 
+    def pictures(result: Evaluation, step: int):
+        """Rank 0: the prediction grid and the confusion matrix of an evaluation, to TensorBoard."""
+        labels = [engine.module.config.id2label[i] for i in range(cfg.num_labels)]
+        if result.shown is not None:
+            writer.add_figure("val/predictions", figures.predictions(*result.shown, labels, processor.image_mean,
+                                                                     processor.image_std), step)
+        writer.add_figure("val/confusion", figures.confusion(result.confusion.numpy(), labels), step)
+
+    if rank == 0:  # what the run is, beside its scalars: the config and the checkpointing plan
+        writer.add_text("config", "```\n" + yaml.safe_dump(to_dict(cfg), sort_keys=False) + "```", start_step)
+        writer.add_figure("ac/plan", figures.ac_plan(ac_plan), start_step)
+
     # ------------------------------------------------------------------ training loop
     from tqdm import tqdm
 
     bar = tqdm(total=cfg.max_steps, initial=start_step, disable=rank != 0 or not cfg.progress, dynamic_ncols=True,
                mininterval=1.0 if sys.stderr.isatty() else 30.0)
-    top1 = top5 = None
+    top1 = top5 = result = ema_result = None
     timed_images, timed_seconds, run_start = 0, 0.0, time.perf_counter()
     data_totals = torch.zeros(2, dtype=torch.float64, device=device)  # samples skipped, padded: all ranks
     nan_at = {int(s) for s in os.environ.get(INJECT_NAN_ENV, "").split(",") if s.strip()}
@@ -371,6 +412,8 @@ def main(argv=None):
             engine.step()  # optimizer and LR schedule advance only at the accumulation boundary
             sums[:3] += torch.stack([loss.detach().double(), torch.tensor(meta["skipped"], dtype=torch.float64,
                                      device=device), torch.tensor(meta["padded"], dtype=torch.float64, device=device)])
+        if ema and engine.was_step_applied():
+            ema.update()
         sums[3] = float(preemption.requested)  # read at the step's end: every rank stops after the same step
         if profiler is not None:
             profiler.__exit__(None, None, None)
@@ -401,10 +444,17 @@ def main(argv=None):
 
         if not preempted and (step == cfg.max_steps or (cfg.eval_every and step % cfg.eval_every == 0)):
             heartbeat.beat(f"step {step}, evaluating")
-            top1, top5 = evaluate(engine, val_data(), dtype, device)
+            result = evaluate(engine, val_data(), dtype, device, cfg.num_labels)
+            top1, top5 = result.top1, result.top5
             record.update(val_top1=top1, val_top5=top5)
+            if ema:
+                with ema.swapped(engine):
+                    ema_result = evaluate(engine, val_data(), dtype, device, cfg.num_labels)
+                record.update(val_ema_top1=ema_result.top1, val_ema_top5=ema_result.top5)
             if rank == 0:
-                bar.write(f"step {step}: val top-1 {top1:.2%} top-5 {top5:.2%}")
+                bar.write(f"step {step}: val top-1 {top1:.2%} top-5 {top5:.2%}" + (
+                    f" | EMA top-1 {ema_result.top1:.2%} top-5 {ema_result.top5:.2%}" if ema else ""))
+                pictures(result, step)
         log(record)
         if bad_in_a_row >= cfg.max_bad_steps:  # every rank sees the same all-reduced loss and skipped step
             close_logs()
@@ -427,7 +477,7 @@ def main(argv=None):
             with disk_full(engine) if (step, rank) in enospc_at else contextlib.nullcontext():
                 saved = save(engine, ckpt_dir, step, state, keep_last=cfg.keep_last, keep_best=cfg.keep_best,
                              min_free_gb=cfg.min_free_gb, estimate_bytes=checkpoint_estimate,
-                             log=bar.write if rank == 0 else lambda *a: None)
+                             log=bar.write if rank == 0 else lambda *a: None, also=ema.save if ema else None)
         if preempted:
             close_logs()
             if rank == 0:
@@ -438,19 +488,33 @@ def main(argv=None):
             exit_distributed(EXIT_PREEMPTED)
     bar.close()
     if top1 is None:  # resumed at max_steps: nothing left to train, still report the model's accuracy
-        top1, top5 = evaluate(engine, val_data(), dtype, device)
+        result = evaluate(engine, val_data(), dtype, device, cfg.num_labels)
+        top1, top5 = result.top1, result.top5
 
     # ------------------------------------------------------------------ export and summary
     hf_dir = os.path.join(cfg.output_dir, "hf_model")
-    if not export_hf_model(engine, processor, hf_dir, rank):
+    with ema.swapped(engine) if cfg.export_ema else contextlib.nullcontext():
+        exported = export_hf_model(engine, processor, hf_dir, rank)
+    if not exported:
         exit_distributed(EXIT_NONFINITE)
     if rank == 0:
         metrics_file.close()
         writer.close()
         throughput = f"{timed_images / timed_seconds:.0f}" if timed_seconds else "n/a"
-        minutes, seconds = divmod(int(time.perf_counter() - run_start), 60)
+        elapsed = time.perf_counter() - run_start
+        minutes, seconds = divmod(int(elapsed), 60)
+        summary = {"step": cfg.max_steps, "val_top1": top1, "val_top5": top5,
+                   "val_ema_top1": ema_result.top1 if ema_result else None,
+                   "images_per_sec": timed_images / timed_seconds if timed_seconds else None,
+                   "steps_this_launch": cfg.max_steps - start_step, "seconds_this_launch": round(elapsed, 1),
+                   "hf_model": hf_dir, "hf_model_weights": "ema" if cfg.export_ema else "live",
+                   "labels": [engine.module.config.id2label[i] for i in range(cfg.num_labels)],
+                   "confusion": result.confusion.long().tolist()}  # rows true, columns predicted
+        with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
         print(f"done: val top-1 {top1:.2%} (top-5 {top5:.2%}) | {throughput} images/s | "
-              f"{cfg.max_steps - start_step} steps in {minutes}m{seconds:02d}s | model saved to {hf_dir}")
+              f"{cfg.max_steps - start_step} steps in {minutes}m{seconds:02d}s | "
+              f"{'EMA model' if cfg.export_ema else 'model'} saved to {hf_dir}")
     exit_distributed(0)  # everything is written and closed: skips a gloo abort at interpreter exit (see there)
 
 

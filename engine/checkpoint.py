@@ -139,9 +139,10 @@ def space_verdict(ckpt_dir: str, estimate_bytes: int, min_free_gb: float) -> str
 
 
 def save(engine, ckpt_dir: str, step: int, state: dict, *, keep_last: int, keep_best: bool, min_free_gb: float,
-         estimate_bytes: int, log=print) -> bool:
+         estimate_bytes: int, log=print, also=None) -> bool:
     """Write checkpoint `step<step>` atomically (see the module's docstring) on every rank; False, with a line
-    saying why, when the disk cannot hold it (checked before writing) or a rank's write fails: training goes on. `state`: train_state.json's contents."""
+    saying why, when the disk cannot hold it (checked before writing) or a rank's write fails: training goes on.
+    `state`: train_state.json's contents. `also(directory)`: what each rank adds to the checkpoint (the EMA)."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -164,6 +165,11 @@ def save(engine, ckpt_dir: str, step: int, state: dict, *, keep_last: int, keep_
             raise
         failure = write_failure(e, ckpt_dir)
         compat.close_failed_save(engine)
+    if also and not failure:  # the gather of every rank's outcome below waits for these files too
+        try:
+            also(partial)
+        except OSError as e:
+            failure = write_failure(e, ckpt_dir)
     failures = [None] * dist.get_world_size()
     dist.all_gather_object(failures, failure)
     failed = [f"rank {r}: {f}" for r, f in enumerate(failures) if f]

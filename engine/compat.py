@@ -151,6 +151,39 @@ def param_ndim(p: torch.nn.Parameter) -> int:
     return len(shape) if shape is not None else p.ndim
 
 
+def param_shape(p: torch.nn.Parameter) -> torch.Size:
+    """Shape of a parameter as defined, partitioned by ZeRO-3 or not."""
+    _require("deepspeed", DEEPSPEED_SERIES, "param_shape")
+    return getattr(p, "ds_shape", None) or p.shape
+
+
+def local_weights(p: torch.nn.Parameter) -> tuple[torch.Tensor, int]:
+    """(the part of a parameter this rank holds, the index of its first element in the flattened parameter):
+    under ZeRO-3 its partition (flat, zero-padded at the end of the last rank's), else the whole tensor and 0."""
+    _require("deepspeed", DEEPSPEED_SERIES, "local_weights")
+    if getattr(p, "ds_tensor", None) is None:
+        return p.data, 0
+    import torch.distributed as dist
+
+    return p.ds_tensor, dist.get_rank(group=p.ds_process_group) * p.ds_tensor.ds_numel
+
+
+@contextlib.contextmanager
+def writing_zero3_partitions(engine):
+    """While active, what is written into ZeRO-3's partitions (`local_weights`) becomes the weights: the
+    persistent parameters (kept gathered) are released on entry and gathered again from the partitions on exit,
+    and hpZ's secondary partitions are invalidated, as DeepSpeed's own checkpoint load does. Every rank enters."""
+    _require("deepspeed", DEEPSPEED_SERIES, "writing_zero3_partitions")
+    if not engine.zero_optimization_partition_weights():
+        yield
+        return
+    engine.optimizer.checkpoint_event_prologue()
+    try:
+        yield
+    finally:
+        engine.optimizer.checkpoint_event_epilogue()
+
+
 def is_zero3_partitioned(p: torch.nn.Parameter) -> bool:
     """Was this parameter created (or converted) by `deepspeed.zero.Init`?"""
     _require("deepspeed", DEEPSPEED_SERIES, "is_zero3_partitioned")
@@ -239,12 +272,19 @@ def universal_load_keeps_group_settings(engine):
     - gives every group's Adam state one and the same `step` tensor, which each group's update then advances
       in place, so every group after the first corrects its moments with a step count too high: each state
       gets its own copy.
+    The same copy gives every group the first group's learning rate; layer-wise lr decay gives each group its
+    own, a fixed multiple of the first's: each group's is put back as the loaded first one times that multiple.
     """
     _require("deepspeed", DEEPSPEED_SERIES, "universal_load_keeps_group_settings")
-    kept = [{k: g[k] for k in GROUP_HYPERPARAMETERS if k in g} for g in engine.optimizer.param_groups]
+    groups = engine.optimizer.param_groups
+    kept = [{k: g[k] for k in GROUP_HYPERPARAMETERS if k in g} for g in groups]
+    ratios = [g["lr"] / groups[0]["lr"] for g in groups]
     yield
-    for group, values in zip(engine.optimizer.param_groups, kept):
+    for group, values in zip(groups, kept):
         group.update(values)
+    if engine.load_universal_checkpoint():
+        for group, ratio in zip(groups[1:], ratios[1:]):
+            group["lr"] = groups[0]["lr"] * ratio
     inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
     for state in inner.state.values():
         if torch.is_tensor(state.get("step")):

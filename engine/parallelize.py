@@ -11,7 +11,7 @@ from config import Config
 from engine import compat
 from engine.ds_config import build_ds_config, resolve_precision
 from engine.memory import zero_memory_bytes
-from engine.optim import lr_schedule, param_groups
+from engine.optim import freeze, lr_schedule, param_groups
 from models import build_model
 from models.blocks import find_blocks
 from models.checkpointing import apply_activation_checkpointing
@@ -34,8 +34,9 @@ def engine_config(cfg: Config, hidden_size: int, world_size: int) -> tuple[str, 
     return precision, build_ds_config(cfg, hidden_size, world_size, precision)
 
 
-def build_training_model(cfg: Config, ds_config: dict, class_names=None):
-    """(model, image processor) of a run, initial weights from `cfg.seed` alone.
+def build_training_model(cfg: Config, ds_config: dict, class_names=None, log=None):
+    """(model, image processor) of a run, initial weights from `cfg.seed` alone (or pretrained ones), with its
+    stochastic depth and the parameters `cfg.freeze` names frozen.
 
     Under ZeRO-3 the model is created inside `deepspeed.zero.Init` (transformers does so while a ZeRO-3
     `HfDeepSpeedConfig` lives): every parameter is partitioned as it is created, and a local directory's
@@ -43,18 +44,25 @@ def build_training_model(cfg: Config, ds_config: dict, class_names=None):
     are initialised module by module with that module's parameters gathered.
     """
     args = (cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size, class_names)
+    kwargs = dict(seed=cfg.seed, drop_path=cfg.drop_path, log=log)
     if ds_config["zero_optimization"]["stage"] != 3:
-        return build_model(*args, seed=cfg.seed)
-    import deepspeed
-    from transformers.integrations import HfDeepSpeedConfig
+        model, processor = build_model(*args, **kwargs)
+    else:
+        import deepspeed
+        from transformers.integrations import HfDeepSpeedConfig
 
-    hf_zero3 = HfDeepSpeedConfig(ds_config)  # transformers holds it weakly: it must live through the build
-    model, processor = build_model(*args, seed=cfg.seed,
-                                   gathered=lambda params: deepspeed.zero.GatheredParameters(params, modifier_rank=0))
-    whole = [n for n, p in model.named_parameters() if not compat.is_zero3_partitioned(p)]
-    if whole:
-        raise RuntimeError(f"ZeRO-3: {len(whole)} parameters were not created partitioned, e.g. {whole[0]}")
-    del hf_zero3
+        hf_zero3 = HfDeepSpeedConfig(ds_config)  # transformers holds it weakly: it must live through the build
+        model, processor = build_model(*args, **kwargs, gathered=lambda params: deepspeed.zero.GatheredParameters(
+            params, modifier_rank=0), partitioned=lambda: deepspeed.zero.Init(config_dict_or_path=ds_config))
+        whole = [n for n, p in model.named_parameters() if not compat.is_zero3_partitioned(p)]
+        if whole:
+            raise RuntimeError(f"ZeRO-3: {len(whole)} parameters were not created partitioned, e.g. {whole[0]}")
+        del hf_zero3
+    if cfg.freeze:
+        frozen = freeze(model, cfg.freeze)
+        if log:
+            total = sum(compat.param_numel(p) for p in model.parameters())
+            log(f"freeze: {frozen / 1e6:.2f}M of {total / 1e6:.2f}M parameters are frozen ({cfg.freeze})")
     return model, processor
 
 
@@ -110,7 +118,7 @@ def apply_zero(model, cfg, ds_config, ac_plan):
             set_z3_leaf_module(block.module, True)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
-        model_parameters=param_groups(model, cfg.weight_decay),
+        model_parameters=param_groups(model, cfg.weight_decay, cfg.layer_decay, cfg.lr),
         config=ds_config,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_schedule(cfg)),
     )

@@ -12,7 +12,7 @@ from engine.parallelize import DTYPES
 from engine.memory import zero_memory_bytes, zero_memory_parts
 from models.blocks import Block, find_blocks
 from models.checkpointing import PROFILE_BATCH, choose_plan, plan_figures, profile_blocks
-from models.registry import model_config
+from models.registry import add_drop_path, model_config
 
 GiB = 2**30
 ZEROPP_TEMPLATE = "ds_configs/zero3pp.json"
@@ -46,9 +46,11 @@ def meta_model(cfg: Config):
     """The model of a run on the meta device: shapes only, nothing allocated, nothing initialised."""
     from transformers import AutoModelForImageClassification
 
-    config = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size)
+    config = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size, drop_path=cfg.drop_path)
     with torch.device("meta"):
-        return AutoModelForImageClassification.from_config(config)
+        model = AutoModelForImageClassification.from_config(config)
+    add_drop_path(model, cfg.drop_path)  # its masks are saved tensors, which decide where a recompute stops
+    return model
 
 
 def profile(cfg: Config, device_type: str, dtype: torch.dtype = torch.float32):

@@ -1,12 +1,15 @@
-"""Named ViT and Swin sizes, built from config with random init, or a local Hugging Face directory.
-
-Nothing is fetched from a hub: a name that is neither in the registry nor a local directory is an error.
+"""Named ViT and Swin sizes, built from config with random init, or pretrained weights from a local Hugging Face
+directory or a hub model id (fetched by transformers into its cache when the hub can be reached).
 """
 import contextlib
+import copy
 import hashlib
 import os
+import socket
+from urllib.parse import urlparse
 
 import torch
+from torch import nn
 from transformers import (AutoConfig, AutoImageProcessor, AutoModelForImageClassification, SwinConfig,
                           SwinForImageClassification, ViTConfig, ViTForImageClassification, ViTImageProcessorPil)
 
@@ -40,10 +43,13 @@ SWIN_SIZES = {
     "swin-tiny-w4": (96, (2, 2, 6, 2), (3, 6, 12, 24), 4, 4),
 }
 NAMES = (*VIT_SIZES, *SWIN_SIZES)
+HEAD = "classifier"  # the classification head of transformers' ViT and Swin: what `freeze: backbone` trains
+HUB_TIMEOUT_S = 5.0  # the hub's reachability probe; transformers itself retries an unreachable hub for ~25 s
 
 
-def model_config(name: str, num_labels: int, image_size: int, patch_size: int = 0, class_names=None):
-    """The transformers config for a registry name or a local directory (no weights touched)."""
+def model_config(name: str, num_labels: int, image_size: int, patch_size: int = 0, class_names=None,
+                 drop_path: float = 0.0):
+    """The transformers config for a registry name, a local directory or a hub id (no weights touched)."""
     labels = list(class_names) if class_names else [str(i) for i in range(num_labels)]
     label_args = dict(num_labels=num_labels, id2label=dict(enumerate(labels)),
                       label2id={n: i for i, n in enumerate(labels)})
@@ -57,21 +63,51 @@ def model_config(name: str, num_labels: int, image_size: int, patch_size: int = 
     if name in SWIN_SIZES:
         dim, depths, heads, window, patch = SWIN_SIZES[name]
         config = SwinConfig(embed_dim=dim, depths=list(depths), num_heads=list(heads), window_size=window,
-                            image_size=image_size, patch_size=patch_size or patch, **label_args)
+                            image_size=image_size, patch_size=patch_size or patch, drop_path_rate=drop_path,
+                            **label_args)
         _check_swin_stages(config)
         return config
+    overrides = dict(id2label=label_args["id2label"], label2id=label_args["label2id"], image_size=image_size)
+    if patch_size:
+        overrides["patch_size"] = patch_size
+    config = pretrained_config(name, **overrides)
+    if config.model_type == "swin":
+        config.drop_path_rate = drop_path
+        _check_swin_stages(config)
+    elif config.model_type == "vit":
+        _check_vit_patches(config)
+    return config
+
+
+def pretrained_config(name: str, **overrides):
+    """The config of a local Hugging Face directory, or of a hub model id: from transformers' cache, or fetched
+    when the hub answers. Anything else is one ValueError saying what to do."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import HFValidationError
+
     if os.path.isfile(os.path.join(name, "config.json")):
-        overrides = dict(label_args, image_size=image_size)
-        if patch_size:
-            overrides["patch_size"] = patch_size
-        config = AutoConfig.from_pretrained(name, **overrides)
-        if config.model_type == "swin":
-            _check_swin_stages(config)
-        elif config.model_type == "vit":
-            _check_vit_patches(config)
-        return config
-    raise ValueError(f"unknown model '{name}': not a registry name ({', '.join(NAMES)}) "
-                     f"nor a local directory holding config.json")
+        return AutoConfig.from_pretrained(name, **overrides)
+    unknown = f"unknown model '{name}': not a registry name ({', '.join(NAMES)}), nor a local directory holding " \
+              f"config.json"
+    if os.path.exists(name):
+        raise ValueError(f"{unknown}: '{name}' exists but holds no config.json")
+    try:
+        return AutoConfig.from_pretrained(name, local_files_only=True, **overrides)  # cached by an earlier run
+    except HFValidationError:
+        raise ValueError(f"{unknown}, nor a valid hub id") from None
+    except OSError:
+        pass
+    endpoint = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=HUB_TIMEOUT_S).close()
+    except OSError as e:
+        raise ValueError(f"{unknown}; as a hub id it is not in the local cache and {endpoint.hostname} cannot be "
+                         f"reached ({e.strerror or e}): download it where there is network (`hf download {name} "
+                         f"--local-dir DIR`) and set model to DIR") from None
+    try:
+        return AutoConfig.from_pretrained(name, **overrides)
+    except OSError as e:
+        raise ValueError(f"{unknown}, and the hub has no model '{name}' ({str(e).splitlines()[0]})") from None
 
 
 def _check_vit_patches(config):
@@ -117,12 +153,51 @@ def init_weights(model, seed: int, gathered=None):
             compat.hf_init_module(model, module)
 
 
+class DropPath(nn.Module):
+    """A ViT block's residual-branch dropout followed by stochastic depth (Huang et al. 2016): in training, each
+    sample's branch is dropped with probability `rate` and the kept ones are scaled by 1 / (1 - rate).
+    transformers' ViT block applies its `dropout` to both branches just before each residual add, so this
+    module in its place drops each branch on its own draw, as timm's DropPath does."""
+
+    def __init__(self, dropout: nn.Dropout, rate: float):
+        super().__init__()
+        self.dropout, self.rate = dropout, rate
+
+    def forward(self, x):
+        x = self.dropout(x)
+        if not self.training or self.rate == 0:
+            return x
+        keep = 1 - self.rate
+        mask = torch.empty((x.shape[0],) + (1,) * (x.ndim - 1), dtype=x.dtype, device=x.device).bernoulli_(keep)
+        return x * mask / keep
+
+    def extra_repr(self):
+        return f"rate={self.rate:g}"
+
+
+def add_drop_path(model, rate: float):
+    """Stochastic depth for transformers' ViT, which has none: block i of L drops at rate * i / (L - 1), the
+    linear rule of DeiT and of transformers' own Swin (which `model_config` sets through its config)."""
+    from models.blocks import find_blocks
+
+    if not rate or model.config.model_type != "vit":
+        return
+    blocks = find_blocks(model)
+    for block in blocks:
+        if not isinstance(getattr(block.module, "dropout", None), nn.Dropout):
+            raise ValueError(f"drop_path: {type(block.module).__name__} has no residual dropout to extend")
+        block.module.dropout = DropPath(block.module.dropout, rate * block.index / max(1, len(blocks) - 1))
+
+
 def build_model(name: str, num_labels: int, image_size: int, patch_size: int = 0, class_names=None, seed: int = 0,
-                gathered=None):
+                gathered=None, partitioned=None, drop_path: float = 0.0, log=None):
     """(model, image_processor). Registry names: initial weights from `seed` alone (`init_weights`); local
-    directories: their weights. Built through transformers' `_from_config` / `from_pretrained`, which create
-    every parameter partitioned when a ZeRO-3 `HfDeepSpeedConfig` is alive (engine/parallelize.py)."""
-    config = model_config(name, num_labels, image_size, patch_size, class_names)
+    directories and hub ids: their weights, with a new classifier head (from `seed`, logged) when the label count
+    differs. Built through transformers' `_from_config` / `from_pretrained`, which create every parameter
+    partitioned when a ZeRO-3 `HfDeepSpeedConfig` is alive (engine/parallelize.py); `partitioned()`: the context
+    that does the same for a module created here (a new head). transformers' ZeRO-3 loader cannot skip a head
+    of another shape, so a pretrained model loads with its own head, which is then replaced."""
+    config = model_config(name, num_labels, image_size, patch_size, class_names, drop_path)
     if name in NAMES:
         cls = ViTForImageClassification if name in VIT_SIZES else SwinForImageClassification
         model = cls._from_config(config)
@@ -130,13 +205,31 @@ def build_model(name: str, num_labels: int, image_size: int, patch_size: int = 0
         mean, std = ((0.5,) * 3, (0.5,) * 3) if name in VIT_SIZES else (IMAGENET_MEAN, IMAGENET_STD)
         processor = ViTImageProcessorPil(size={"height": image_size, "width": image_size},
                                          image_mean=list(mean), image_std=list(std))
-        return model, processor
-    # a different label count re-initialises only the classifier head
-    model = AutoModelForImageClassification.from_pretrained(name, config=config, ignore_mismatched_sizes=True,
-                                                            dtype=torch.float32)
-    try:
-        processor = AutoImageProcessor.from_pretrained(name)
-        processor.size = {"height": image_size, "width": image_size}
-    except OSError:
-        processor = ViTImageProcessorPil(size={"height": image_size, "width": image_size})
+    else:
+        before = pretrained_config(name)  # the directory's own labels, or the cached hub copy's
+        load_config = config
+        if before.num_labels != num_labels:  # loaded with its own head, which is then replaced
+            load_config = copy.deepcopy(config)
+            load_config.update(dict(id2label=before.id2label, label2id=before.label2id))
+        model = AutoModelForImageClassification.from_pretrained(name, config=load_config, dtype=torch.float32)
+        if before.num_labels != num_labels:
+            old = model.get_submodule(HEAD)
+            with (partitioned or contextlib.nullcontext)():  # under ZeRO-3, created partitioned
+                head = nn.Linear(old.in_features, num_labels)
+            setattr(model, HEAD, head)
+            model.config.update(dict(id2label=config.id2label, label2id=config.label2id))
+            model.num_labels = num_labels
+            with (gathered or (lambda p: contextlib.nullcontext()))(list(head.parameters())), torch.no_grad(), \
+                    torch.random.fork_rng(devices=[]):  # from the seed, as a registry model's weights are
+                torch.manual_seed(module_seed(seed, HEAD))
+                compat.hf_init_module(model, head)
+            if log:
+                log(f"model: {name} has {before.num_labels} classes; its classifier head is re-initialised for "
+                    f"{num_labels}")
+        try:
+            processor = AutoImageProcessor.from_pretrained(name)
+            processor.size = {"height": image_size, "width": image_size}
+        except OSError:
+            processor = ViTImageProcessorPil(size={"height": image_size, "width": image_size})
+    add_drop_path(model, drop_path)
     return model, processor

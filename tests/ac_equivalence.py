@@ -33,7 +33,9 @@ for name in ("vit-debug", "swin-debug"):
     torch.manual_seed(0)
     probe, _ = build_model(name, 10, 16)
     prof = profile_blocks(probe, torch.randn(8, 3, 16, 16))
-    cfg = Config(zero_stage=stage, micro_batch_size=8, lr=1e-3, warmup_steps=1, max_steps=4, weight_decay=0.05)
+    # stochastic depth on: every policy must replay its random draws exactly
+    cfg = Config(zero_stage=stage, micro_batch_size=8, lr=1e-3, warmup_steps=1, max_steps=4, weight_decay=0.05,
+                 drop_path=0.1)
     precision, ds = engine_config(cfg, probe.config.hidden_size, world)
     fixed = zero_memory_bytes(sum(p.numel() for p in probe.parameters()), stage, world, precision, ds)
     lowest, highest = (activation_peak(prof, [how] * len(prof)) for how in ("full", "none"))

@@ -46,6 +46,14 @@ CASES = {
     "zero++ quantization on cpu": (lambda t, d: ["--zero_stage", "3", "--ds_config", "ds_configs/zero3pp.json"],
                                   "sets zero_quantized_weights and zero_quantized_gradients: ZeRO++'s quantized "
                                   "communication runs DeepSpeed's CUDA quantizer kernels and needs a GPU"),
+    "hub id without network": (lambda t, d: ["--model", "google/vit-base-patch16-224"],
+                               "as a hub id it is not in the local cache and huggingface.co cannot be reached"),
+    "layer_decay above 1": (lambda t, d: ["--layer_decay", "1.5"], "'layer_decay' must be in (0, 1]"),
+    "freeze naming no parameter": (lambda t, d: ["--freeze", "vit.encoder.*"],
+                                   "freeze: the pattern 'vit.encoder.*' names no parameter"),
+    "export_ema without an ema": (lambda t, d: ["--export_ema", "true"], "export_ema needs an EMA of the weights"),
+    "ema with nvme offload": (lambda t, d: ["--ema_decay", "0.999", "--zero_stage", "3", "--ds_config", nvme(t)],
+                              "ema_decay with offload_param on nvme"),
     "data streams that do not split": (lambda t, d: ["--data_streams", "2", "--num_workers", "4"],
                                        "data_streams: the 2 data streams per rank do not split over 4 workers"),
 }
@@ -61,6 +69,13 @@ def checkpoint(tmp_path, world_size, stage, missing_ranks=()):
     (path / "mp_rank_00_model_states.pt").write_bytes(b"")
     for r in set(range(world_size)) - set(missing_ranks):
         (path / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"")
+    return path
+
+
+def nvme(tmp_path):
+    path = tmp_path / "nvme.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme",
+                                                                                  "nvme_path": str(tmp_path)}}}))
     return path
 
 

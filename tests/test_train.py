@@ -73,10 +73,21 @@ def test_run_directory(stage_runs):
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(os.path.join(run, "tb"))
+    events = EventAccumulator(os.path.join(run, "tb"), size_guidance={"images": 0})
     events.Reload()
     assert len(events.Scalars("train/loss")) == 120
     assert [e.step for e in events.Scalars("val/val_top1")] == [60, 120]
+    # the pictures: a prediction grid and a confusion matrix per evaluation, the checkpointing plan, the config
+    assert [e.step for e in events.Images("val/predictions")] == [60, 120]
+    assert [e.step for e in events.Images("val/confusion")] == [60, 120]
+    assert len(events.Images("ac/plan")) == 1
+    assert events.Images("val/predictions")[0].width > 100
+    assert "config/text_summary" in events.Tags()["tensors"]
+    with open(os.path.join(run, "summary.json")) as f:  # the run without TensorBoard
+        summary = json.load(f)
+    confusion = np.array(summary["confusion"])
+    assert confusion.shape == (10, 10) and confusion.sum() == 359  # the digits' validation split
+    assert np.trace(confusion) / confusion.sum() == pytest.approx(summary["val_top1"]) == evals[-1]["val_top1"]
 
     ckpt = os.path.join(run, "checkpoints")
     with open(os.path.join(ckpt, "latest")) as f:

@@ -1,0 +1,91 @@
+"""An exponential moving average of the weights (Polyak averaging, as timm and DeiT train with it).
+
+Each rank averages the part of every parameter it holds (`compat.local_weights`): under ZeRO-3 its partition,
+so no rank holds a whole extra copy of the model; under ZeRO-1/2, where every rank holds the whole weights, the
+whole tensors. The average is kept in fp32 whatever the training precision.
+
+A checkpoint holds it as `ema/rank<NNNNN>.pt`, one file per rank under ZeRO-3 and rank 0's alone otherwise; each
+file records where its pieces sit in the flattened parameters, so that a run on another number of ranks or
+another ZeRO stage reassembles its own parts from them.
+"""
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+
+from engine import compat
+
+EMA_DIR = "ema"
+
+
+class EMA:
+    def __init__(self, model: torch.nn.Module, decay: float):
+        self.decay = decay
+        self.params = dict(model.named_parameters())
+        self.partitioned = any(compat.is_zero3_partitioned(p) for p in self.params.values())
+        self.shadow = {name: compat.local_weights(p)[0].detach().float().clone() for name, p in self.params.items()}
+
+    @torch.no_grad()
+    def update(self):
+        """After an applied optimizer step: shadow <- decay * shadow + (1 - decay) * weights."""
+        for name, p in self.params.items():
+            self.shadow[name].lerp_(compat.local_weights(p)[0].float(), 1 - self.decay)
+
+    @contextlib.contextmanager
+    def swapped(self, engine):
+        """The model holds the averaged weights inside, its own weights again (bitwise) after. Every rank enters."""
+        live = {}
+        with torch.no_grad(), compat.writing_zero3_partitions(engine):
+            for name, p in self.params.items():
+                local = compat.local_weights(p)[0]
+                live[name] = local.clone()
+                local.copy_(self.shadow[name])
+        try:
+            yield
+        finally:
+            with torch.no_grad(), compat.writing_zero3_partitions(engine):
+                for name, p in self.params.items():
+                    compat.local_weights(p)[0].copy_(live[name])
+
+    def save(self, checkpoint_dir: str):
+        """This rank's part into `checkpoint_dir/ema/` (every rank calls it)."""
+        rank = dist.get_rank()
+        if not self.partitioned and rank != 0:
+            return
+        out = os.path.join(checkpoint_dir, EMA_DIR)
+        os.makedirs(out, exist_ok=True)
+        pieces = {name: (self.shadow[name], compat.local_weights(p)[1]) for name, p in self.params.items()}
+        torch.save({"decay": self.decay, "pieces": pieces}, os.path.join(out, f"rank{rank:05d}.pt"))
+
+    def load(self, checkpoint_dir: str) -> bool:
+        """This rank's part from a checkpoint written by any number of ranks under any ZeRO stage; False (and the
+        average left at the current weights) when the checkpoint has none."""
+        folder = os.path.join(checkpoint_dir, EMA_DIR)
+        if not os.path.isdir(folder):
+            return False
+        # memory-mapped: each parameter is reassembled from the files' pieces in turn
+        files = [torch.load(os.path.join(folder, f), mmap=True, weights_only=True)["pieces"]
+                 for f in sorted(os.listdir(folder)) if f.endswith(".pt")]
+        for name, p in self.params.items():
+            local, offset = compat.local_weights(p)
+            numel = compat.param_numel(p)
+            if not self.partitioned:
+                whole = torch.empty(numel, dtype=torch.float32)
+                self._gather(files, name, whole, 0)
+                self.shadow[name].copy_(whole.view_as(self.shadow[name]))
+            else:  # this rank's slice of the flattened parameter; the padding past its end stays zero
+                self.shadow[name].zero_()
+                self._gather(files, name, self.shadow[name][:max(0, min(local.numel(), numel - offset))], offset)
+        return True
+
+    @staticmethod
+    def _gather(files, name: str, out: torch.Tensor, start: int):
+        """Fill `out` with elements [start, start + len(out)) of the flattened parameter `name` from the pieces."""
+        end = start + out.numel()
+        for pieces in files:
+            piece, at = pieces[name]
+            piece = piece.reshape(-1)
+            lo, hi = max(start, at), min(end, at + piece.numel())
+            if lo < hi:
+                out[lo - start:hi - start] = piece[lo - at:hi - at]

@@ -1,0 +1,74 @@
+"""Every recipe in configs/: its keys parse, its shard specs expand as WebDataset patterns, the GPU recipes fit
+the hardware they name by the planner, and 2 steps of each run on CPU with its model shrunk to debug size and
+the digits in place of its data (every other key as the recipe sets it). The fine-tuning pair
+(digits-probe, digits-finetune) runs in tests/test_finetune.py."""
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+from conftest import REPO, launch, read_metrics
+from webdataset.shardlists import expand_urls
+
+import config
+from models import build_model
+
+RECIPES = sorted(os.path.basename(p) for p in glob.glob(os.path.join(REPO, "configs", "*.yaml")))
+FINETUNE_PAIR = ("digits-probe.yaml", "digits-finetune.yaml")
+# the shards each ImageNet recipe names: 1024 training and 64 validation shards
+IMAGENET_SHARDS = {"train_shards": 1024, "val_shards": 64}
+
+
+def recipe(name):
+    with open(os.path.join(REPO, "configs", name)) as f:
+        return yaml.safe_load(f)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_keys_and_patterns(name):
+    keys = recipe(name)
+    cfg = config.parse(["--config", os.path.join(REPO, "configs", name)])  # unknown keys and bad values raise
+    assert all(getattr(cfg, k) == v or isinstance(v, (int, float)) for k, v in keys.items())
+    for key in ("train_shards", "val_shards"):
+        urls = expand_urls(keys[key])
+        if name.startswith("imagenet-"):
+            assert len(urls) == IMAGENET_SHARDS[key] and len(set(urls)) == len(urls), keys[key]
+    text = open(os.path.join(REPO, "configs", name)).read()
+    assert "Expected" in text  # every recipe says what it should reach
+
+
+@pytest.mark.parametrize("name", [r for r in RECIPES if r.startswith("imagenet-")])
+def test_gpu_recipe_fits_its_node(name):
+    """The planner's verdict for one node of 8 x 80 GB, which the recipes name."""
+    keys = recipe(name)
+    model = keys["model"] if "/" not in keys["model"] else "vit-large"  # a pretrained directory: its shape
+    proc = subprocess.run([sys.executable, "plan.py", "--config", f"configs/{name}", "--model", model,
+                           "--world_size", "8", "--ranks_per_node", "8", "--device", "a100-80gb", "--json"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["fits"] and plan["peak_bytes"] < 0.8 * plan["capacity_bytes"], plan
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pretrained") / "vit"
+    build_model("vit-debug", 21, 16, seed=1)[0].save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("name", [r for r in RECIPES if r not in FINETUNE_PAIR])
+def test_recipe_runs_shrunk(name, digits, pretrained, tmp_path):
+    keys = recipe(name)
+    model = pretrained if "/" in keys["model"] else ("swin-debug" if keys["model"].startswith("swin") else "vit-debug")
+    out = tmp_path / "run"
+    launch(["--config", f"configs/{name}", "--model", model, "--num_labels", 10, "--image_size", 16,
+            "--train_shards", digits["train"], "--val_shards", digits["val"], "--micro_batch_size", 8,
+            "--max_steps", 2, "--warmup_steps", 1, "--eval_every", 0, "--save_every", 0, "--num_workers", 0,
+            "--shuffle_buffer", 100, "--progress", "false", "--output_dir", out], launcher="python", timeout=180)
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [1, 2] and "val_top1" in records[-1]
+    assert ("val_ema_top1" in records[-1]) == bool(keys.get("ema_decay"))
