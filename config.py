@@ -51,7 +51,9 @@ class Config:
     # optimisation
     micro_batch_size: int = 32  # images per rank per forward/backward
     grad_accum_steps: int = 1  # micro-batches per optimizer step
+    optimizer: str = "adamw"  # adamw | muon (Muon for 2-D weight matrices, AdamW at lr for the rest; DeepSpeed's own)
     lr: float = 2e-3  # peak learning rate (AdamW)
+    muon_lr: float = 0.02  # peak learning rate of Muon's matrices (optimizer muon)
     min_lr: float = 1e-5  # learning rate at the end of the cosine decay
     weight_decay: float = 0.05  # AdamW decay; never applied to norms, biases, position embeddings, class token
     beta1: float = 0.9  # AdamW beta1
@@ -77,7 +79,7 @@ class Config:
 
 
 KEYS = {f.name: f for f in dataclasses.fields(Config)}
-CHOICES = {"zero_stage": (1, 2, 3), "precision": ("fp32", "bf16", "fp16", "auto"), "data_mode": ("epoch", "resampled")}
+CHOICES = {"optimizer": ("adamw", "muon"), "zero_stage": (1, 2, 3), "precision": ("fp32", "bf16", "fp16", "auto"), "data_mode": ("epoch", "resampled")}
 
 
 def _coerce(key: str, value, from_cli: bool):
@@ -198,10 +200,21 @@ def _accelerate(cfg: Config, given: dict, env):
         take("precision", precision, f"mixed_precision {precision}")
     elif precision != "no":
         raise ConfigError(f"the accelerate config's mixed_precision {precision} is not supported: use no, bf16 or fp16")
-    offload = [k for k in ("OPTIMIZER", "PARAM") if env.get(f"ACCELERATE_DEEPSPEED_OFFLOAD_{k}_DEVICE", "none") != "none"]
-    if offload:
-        raise ConfigError(f"the accelerate config's offload_{offload[0].lower()}_device is not supported by train.py "
-                          f"yet: train without offload")
+    template = cfg.ds_config or os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_configs",
+                                             f"zero{cfg.zero_stage}.json")
+    for kind in ("optimizer", "param"):
+        device = env.get(f"ACCELERATE_DEEPSPEED_OFFLOAD_{kind.upper()}_DEVICE", "none")
+        if device == "none":
+            continue
+        try:
+            with open(template) as f:
+                theirs = json.load(f).get("zero_optimization", {}).get(f"offload_{kind}", {}).get("device", "none")
+        except (OSError, ValueError):
+            theirs = "none"
+        if theirs != device:
+            raise ConfigError(f"the accelerate config sets offload_{kind}_device {device} but the DeepSpeed config "
+                              f"{template} offloads it to {theirs}: name ds_configs/zero3_offload.json as its "
+                              f"deepspeed_config_file instead (accelerate_configs/zero3_offload.yaml does)")
 
 
 def _check(cfg: Config):
@@ -224,6 +237,9 @@ def _check(cfg: Config):
         raise ConfigError(f"config key 'layer_decay' must be in (0, 1] (1 = off), got {cfg.layer_decay}")
     if not 0 <= cfg.ema_decay < 1:
         raise ConfigError(f"config key 'ema_decay' must be in [0, 1) (0 = off), got {cfg.ema_decay}")
+    if cfg.optimizer == "muon" and cfg.layer_decay < 1:
+        raise ConfigError("layer_decay with optimizer muon: DeepSpeed's Muon gives a parameter group's own lr to both "
+                          "its Muon and AdamW halves, so muon_lr would be lost; use layer_decay 1 or optimizer adamw")
     if cfg.export_ema and not cfg.ema_decay:
         raise ConfigError("export_ema needs an EMA of the weights: set ema_decay (e.g. 0.9999)")
     if cfg.lr <= 0:

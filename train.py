@@ -338,7 +338,7 @@ def main(argv=None):
         writer = SummaryWriter(os.path.join(cfg.output_dir, "tb"), purge_step=start_step + 1)
         hpz = compat.zero3_hpz_ranks(engine.module) if cfg.zero_stage == 3 else 1
         print(f"{cfg.model}: {n_params / 1e6:.2f}M params | ZeRO-{cfg.zero_stage}"
-              f"{f' (hpZ over {hpz} ranks)' if hpz > 1 else ''} | {precision} | "
+              f"{f' (hpZ over {hpz} ranks)' if hpz > 1 else ''} | {compat.optimizer_name(engine)} | {precision} | "
               f"world size {world_size} ({world_size // local_world} node(s) x {local_world}, {device.type}, "
               f"{torch.get_num_threads()} threads per rank) | global batch {images_per_step} = {cfg.micro_batch_size} "
               f"micro x {cfg.grad_accum_steps} accum x {world_size} ranks | steps {start_step}->{cfg.max_steps} | "

@@ -299,6 +299,12 @@ _CPU_ATTENTION_AS_GPU = (("_scaled_dot_product_flash_attention_for_cpu", "_scale
                           "_scaled_dot_product_flash_attention_backward"))
 
 
+def optimizer_name(engine) -> str:
+    """The class of the optimizer DeepSpeed built under its ZeRO wrapper (torch's AdamW, DeepSpeedCPUAdam, Muon)."""
+    _require("deepspeed", DEEPSPEED_SERIES, "optimizer_name")
+    return type(engine.basic_optimizer).__name__
+
+
 def close_failed_save(engine):
     """On a rank whose checkpoint write raised inside `engine.save_checkpoint`: what DeepSpeed's save_checkpoint
     does after the writes and the other ranks take part in, so that none of them is left waiting: the

@@ -10,6 +10,7 @@ from config import Config, ConfigError
 
 DS_CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ds_configs")
 ADAM_EPS = 1e-8
+MUON_MOMENTUM = 0.95  # Muon's Nesterov momentum (Jordan et al. 2024)
 # Bucket sizes follow Hugging Face's DeepSpeed integration, derived from the model's hidden size h: DeepSpeed's
 # own defaults (5e8 elements, 2 GB in fp32) are sized for large language models.
 MIN_BUCKET_ELEMENTS = 2**20  # a floor, so that small models do not pay one collective per tensor
@@ -98,14 +99,20 @@ def build_ds_config(cfg: Config, hidden_size: int, world_size: int, precision: s
     _fill(ds, "zero_optimization.stage", cfg.zero_stage, where)
     _fill(ds, "bf16.enabled", precision == "bf16", where)
     _fill(ds, "fp16.enabled", precision == "fp16", where)
-    ds.setdefault("optimizer", {"type": "AdamW", "params": {}})
+    ds.setdefault("optimizer", {"type": "auto", "params": {}})
+    _fill(ds, "optimizer.type", "Muon" if cfg.optimizer == "muon" else "AdamW", where)
     _fill(ds, "optimizer.params.lr", cfg.lr, where)
     _fill(ds, "optimizer.params.betas", [cfg.beta1, cfg.beta2], where)
     _fill(ds, "optimizer.params.eps", ADAM_EPS, where)
     _fill(ds, "optimizer.params.weight_decay", cfg.weight_decay, where)
+    if cfg.optimizer == "muon":  # lr, betas and eps are its AdamW half's
+        _fill(ds, "optimizer.params.muon_lr", cfg.muon_lr, where)
+        ds["optimizer"]["params"].setdefault("momentum", MUON_MOMENTUM)
+    offloaded = ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") != "none"
     # torch's AdamW, not DeepSpeed's FusedAdam: the same update, the optimizer the FSDP2 baseline runs (so a
-    # benchmark compares the sharding, not the optimizer kernels), and no JIT build of a C++/CUDA op at start
-    ds["optimizer"]["params"].setdefault("torch_adam", True)
+    # benchmark compares the sharding, not the optimizer kernels), and no JIT build of a C++/CUDA op at start.
+    # Optimizer states offloaded to CPU memory step with DeepSpeed's CPU Adam, built at the first run.
+    ds["optimizer"]["params"].setdefault("torch_adam", not offloaded)
 
     zero = ds["zero_optimization"]
     bucket = max(hidden_size * hidden_size, MIN_BUCKET_ELEMENTS)
@@ -125,6 +132,11 @@ def build_ds_config(cfg: Config, hidden_size: int, world_size: int, precision: s
         if zero.get(key) == "auto":
             zero[key] = value
     _zeropp(zero, where, ranks_per_node, gpu)
+    if cfg.optimizer == "muon" and cfg.zero_stage == 3:  # Muon's update needs each matrix's whole gradient
+        if zero.get("reduce_scatter", "auto") not in ("auto", False):
+            raise ConfigError(f"{where} sets zero_optimization.reduce_scatter, which DeepSpeed's ZeRO-3 cannot "
+                              f"combine with optimizer muon: set it false or \"auto\"")
+        zero["reduce_scatter"] = False
     leftover = [k for k, v in _walk(ds) if v == "auto"]
     if leftover:
         raise ConfigError(f"{where} has \"auto\" fields this trainer cannot fill: {', '.join(leftover)}")

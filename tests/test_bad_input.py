@@ -54,6 +54,8 @@ CASES = {
     "export_ema without an ema": (lambda t, d: ["--export_ema", "true"], "export_ema needs an EMA of the weights"),
     "ema with nvme offload": (lambda t, d: ["--ema_decay", "0.999", "--zero_stage", "3", "--ds_config", nvme(t)],
                               "ema_decay with offload_param on nvme"),
+    "muon with layer decay": (lambda t, d: ["--optimizer", "muon", "--layer_decay", "0.75"],
+                              "layer_decay with optimizer muon"),
     "data streams that do not split": (lambda t, d: ["--data_streams", "2", "--num_workers", "4"],
                                        "data_streams: the 2 data streams per rank do not split over 4 workers"),
 }

@@ -5,9 +5,11 @@ import os
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO
 
 
+@pytest.mark.slow
 def test_cpu_smoke_suite(tmp_path):
     proc = subprocess.run([sys.executable, "benchmarks/train_bench.py", "--suite", "cpu-smoke", "--out", str(tmp_path)],
                           cwd=REPO, capture_output=True, text=True, timeout=600)

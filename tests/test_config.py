@@ -42,13 +42,13 @@ def test_yaml_must_be_a_mapping(tmp_path):
         parse(["--config", str(recipe)])
 
 
-def test_shipped_recipes_parse():
-    import glob
-    import os
-
-    from conftest import REPO
-
-    recipes = glob.glob(os.path.join(REPO, "configs", "*.yaml"))
-    assert recipes
-    for recipe in recipes:
-        parse(["--config", recipe])
+def test_accelerate_offload_must_match_the_deepspeed_config(monkeypatch):
+    """An accelerate config that offloads must name a DeepSpeed JSON that offloads the same way."""
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "cpu")
+    with pytest.raises(ConfigError, match="sets offload_optimizer_device cpu but the DeepSpeed config .*zero2.json "
+                                          "offloads it to none: name ds_configs/zero3_offload.json"):
+        parse([])
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "ds_configs/zero3_offload.json")
+    cfg = parse([])
+    assert cfg.zero_stage == 3 and cfg.ds_config == "ds_configs/zero3_offload.json"
