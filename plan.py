@@ -27,6 +27,8 @@ def cluster_args(argv):
     parser.add_argument("--device", default="h100-80gb", help="a device name (see --list_devices) or 'cpu'")
     parser.add_argument("--device_memory_gb", type=float, help="memory per device in GiB (overrides the table)")
     parser.add_argument("--device_tflops", type=float, help="dense TFLOP/s per device (overrides the table)")
+    parser.add_argument("--host_memory_gb", type=float, help="host memory per node in GiB, for ZeRO-Offload "
+                                                              "(overrides the table)")
     parser.add_argument("--intra_gbs", type=float, help="GB/s per direction per device within a node")
     parser.add_argument("--inter_gbs", type=float, help="GB/s per direction per device between nodes")
     parser.add_argument("--mfu", type=float, help="fraction of peak FLOP/s the step's matmuls reach (0.4)")
@@ -57,7 +59,7 @@ def device_of(a):
                           f"--device_tflops and --device_memory_gb)")
     return replace(base, flops=a.device_tflops * 1e12 if a.device_tflops else base.flops,
                    memory_gib=a.device_memory_gb or base.memory_gib, intra_gbs=a.intra_gbs or base.intra_gbs,
-                   inter_gbs=a.inter_gbs or base.inter_gbs)
+                   inter_gbs=a.inter_gbs or base.inter_gbs, host_memory_gib=a.host_memory_gb or base.host_memory_gib)
 
 
 def gib(n: float) -> str:
@@ -78,15 +80,25 @@ def describe(e: dict) -> str:
              f"{e['assumptions']['mfu']:.0%} of peak) + communication {e['comm_s'] * 1e3:.1f} ms "
              f"({e['comm_bytes_per_step_per_rank'] / 1e9:.2f} GB per rank, {e['comm_bytes_between_nodes'] / 1e9:.2f} GB of it "
              f"between nodes at {e['assumptions']['inter_gbs']:g} GB/s, within at {e['assumptions']['intra_gbs']:g} GB/s; "
-             f"{e['assumptions']['overlap']:.0%} hidden) | {e['images_per_s']:.0f} images/s"]
+             f"{e['assumptions']['overlap']:.0%} hidden)"
+             + (f" + offload {e['offload']['offload_s'] * 1e3:.1f} ms" if e["offload"]["offload_s"] else "")
+             + f" | {e['images_per_s']:.0f} images/s"]
+    off = e["offload"]
+    if off["optimizer"] or off["params"]:
+        what = " and ".join(w for w, on in (("optimizer states", off["optimizer"]), ("weights", off["params"])) if on)
+        lines.append(f"ZeRO-Offload: {what} in host memory, {gib(off['host_bytes_per_rank'])} GiB per rank, "
+                     f"{gib(off['host_bytes_per_node'])} GiB per node; {off['pcie_bytes_per_step_per_rank'] / 1e9:.2f} "
+                     f"GB per rank over PCIe at {e['assumptions']['host_gbs']:g} GB/s and the host's Adam "
+                     f"{off['host_adam_s'] * 1e3:.1f} ms per step")
     return "\n".join(lines)
 
 
 def table(found: list, top: int) -> str:
-    rows = ["| # | ZeRO (++: ZeRO++) | micro | accum | ac | peak GiB | step s | images/s | compute s | comm s |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| # | ZeRO (++: ZeRO++, off: offload) | micro | accum | ac | peak GiB | step s | images/s | compute s | "
+            "comm s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for i, e in enumerate(found[:top]):
-        rows.append(f"| {i + 1} | {e['zero_stage']}{'++' if e['zeropp'] else ''} | {e['micro_batch_size']} | {e['grad_accum_steps']} | {e['ac']} | "
+        kind = "++" if e["zeropp"] else (" off" if e["offload"]["optimizer"] else "")
+        rows.append(f"| {i + 1} | {e['zero_stage']}{kind} | {e['micro_batch_size']} | {e['grad_accum_steps']} | {e['ac']} | "
                     f"{gib(e['peak_bytes'])} | {e['step_s']:.3f} | {e['images_per_s']:.0f} | {e['compute_s']:.3f} | "
                     f"{e['comm_s']:.3f} |")
     return "\n".join(rows)
@@ -198,7 +210,8 @@ def main(argv=None):
         if a.list_devices:
             for d in DEVICES.values():
                 print(f"{d.name}: {d.flops / 1e12:g} TFLOP/s bf16 dense, {d.memory_gib:g} GiB, "
-                      f"{d.intra_gbs:g} GB/s in a node, {d.inter_gbs:g} GB/s between nodes")
+                      f"{d.intra_gbs:g} GB/s in a node, {d.inter_gbs:g} GB/s between nodes, {d.host_gbs:g} GB/s to "
+                      f"the host, {d.host_memory_gib:g} GiB of host memory per node")
             return 0
         if a.validate:
             return print_validation(a)
@@ -215,12 +228,13 @@ def main(argv=None):
             found = search(cfg, ds_for, precision, a.world_size, a.ranks_per_node, device, a.global_batch, mfu,
                            a.overlap)
             if not found:
-                smallest = smallest_cluster(cfg, ds_for, precision, a.ranks_per_node, device)
+                smallest, with_offload = smallest_cluster(cfg, ds_for, precision, a.ranks_per_node, device)
                 raise ConfigError(
                     f"no configuration of {cfg.model} fits {a.world_size} x {device.name} "
                     f"({device.memory_gib:g} GiB) at global batch {a.global_batch}: " + (
-                        f"the smallest cluster on which it fits at all (ZeRO-3, full recompute, micro-batch 1) "
-                        f"is {smallest} ranks" if smallest else "it does not fit on any cluster up to 2^20 ranks"))
+                        f"the smallest cluster on which it fits at all (ZeRO-3{' with ZeRO-Offload' if with_offload else ''}, "
+                        f"full recompute, micro-batch 1) is {smallest} ranks" if smallest
+                        else "it does not fit on any cluster up to 2^20 ranks"))
             best = found[0]
             if a.json:
                 print(json.dumps({"best": best, "feasible": found[:a.top], "count": len(found)}, indent=1))

@@ -30,7 +30,7 @@ import yaml
 from config import Config, ConfigError, parse, to_dict
 from data.loader import ShardStream, TrainLoader, check_streams, eval_batches, merge_states, resume_state
 from data.shards import DataError, parse_spec
-from data.transforms import EvalTransform, TrainTransform, mix_batch
+from data.transforms import EvalTransform, Normalize, TrainTransform, mix_batch
 from engine.distributed import (DistributedError, Heartbeat, dist_env, exit_distributed, exit_on_comm_errors,
                                 init_distributed)
 from engine.memory import memory_profiler, memory_trace, peak_memory_bytes
@@ -107,8 +107,9 @@ class Evaluation:
 
 
 @torch.no_grad()
-def evaluate(engine, loader, dtype, device, num_labels: int) -> Evaluation:
-    """Top-1, top-5 and the confusion matrix over the whole validation set, reduced over ranks."""
+def evaluate(engine, loader, normalize, dtype, device, num_labels: int) -> Evaluation:
+    """Top-1, top-5 and the confusion matrix over the whole validation set, reduced over ranks. The loader's
+    uint8 images are normalised on the device (`normalize`)."""
     engine.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # correct@1, correct@5, count
     confusion = torch.zeros(num_labels * num_labels, dtype=torch.float64, device=device)
@@ -125,7 +126,7 @@ def evaluate(engine, loader, dtype, device, num_labels: int) -> Evaluation:
         if batch is None:
             engine(dummy)
             continue
-        images, labels = batch[0].to(device, dtype), batch[1].to(device)
+        images, labels = normalize(batch[0].to(device, non_blocking=True)).to(dtype), batch[1].to(device)
         dummy = images[:1]
         logits = engine(images).logits.float()  # (B, num_labels)
         top = logits.topk(min(5, logits.shape[-1]), dim=-1).indices
@@ -312,6 +313,7 @@ def main(argv=None):
         state=data_state)
     train_batches = TrainLoader(train_stream, cfg.num_workers)
     per_epoch = train_stream.batches_per_rank_epoch()  # None in resampled mode
+    normalize = Normalize(processor)
     val_data = lambda: eval_batches(val_sources, EvalTransform(processor), cfg.micro_batch_size, rank, world_size)
 
     # ------------------------------------------------------------------ run directory and logging
@@ -364,8 +366,7 @@ def main(argv=None):
         """Rank 0: the prediction grid and the confusion matrix of an evaluation, to TensorBoard."""
         labels = [engine.module.config.id2label[i] for i in range(cfg.num_labels)]
         if result.shown is not None:
-            writer.add_figure("val/predictions", figures.predictions(*result.shown, labels, processor.image_mean,
-                                                                     processor.image_std), step)
+            writer.add_figure("val/predictions", figures.predictions(*result.shown, labels), step)
         writer.add_figure("val/confusion", figures.confusion(result.confusion.numpy(), labels), step)
 
     if rank == 0:  # what the run is, beside its scalars: the config and the checkpointing plan
@@ -397,7 +398,8 @@ def main(argv=None):
             wait_start = time.perf_counter()
             images, labels, meta = next(train_batches)
             data_wait += time.perf_counter() - wait_start
-            images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+            images = normalize(images.to(device, non_blocking=True))  # uint8 from the loader: a quarter of the bytes
+            labels = labels.to(device, non_blocking=True)
             # mixing, dropout and stochastic depth draw from the seed, the step and the micro-batch's slot in the
             # step, so that they are the same for any number of ranks and across resumes
             slot_seed = hash((cfg.seed, step, rank * cfg.grad_accum_steps + micro)) % 2**63
@@ -444,12 +446,12 @@ def main(argv=None):
 
         if not preempted and (step == cfg.max_steps or (cfg.eval_every and step % cfg.eval_every == 0)):
             heartbeat.beat(f"step {step}, evaluating")
-            result = evaluate(engine, val_data(), dtype, device, cfg.num_labels)
+            result = evaluate(engine, val_data(), normalize, dtype, device, cfg.num_labels)
             top1, top5 = result.top1, result.top5
             record.update(val_top1=top1, val_top5=top5)
             if ema:
                 with ema.swapped(engine):
-                    ema_result = evaluate(engine, val_data(), dtype, device, cfg.num_labels)
+                    ema_result = evaluate(engine, val_data(), normalize, dtype, device, cfg.num_labels)
                 record.update(val_ema_top1=ema_result.top1, val_ema_top5=ema_result.top5)
             if rank == 0:
                 bar.write(f"step {step}: val top-1 {top1:.2%} top-5 {top5:.2%}" + (
@@ -488,7 +490,7 @@ def main(argv=None):
             exit_distributed(EXIT_PREEMPTED)
     bar.close()
     if top1 is None:  # resumed at max_steps: nothing left to train, still report the model's accuracy
-        result = evaluate(engine, val_data(), dtype, device, cfg.num_labels)
+        result = evaluate(engine, val_data(), normalize, dtype, device, cfg.num_labels)
         top1, top5 = result.top1, result.top5
 
     # ------------------------------------------------------------------ export and summary

@@ -1,9 +1,11 @@
 """Image transforms with PIL and torch (torchvision does not import beside this torch build).
 
 Training: random resized crop, horizontal flip, RandAugment-style ops (Cubuk et al. 2020), then the
-model image processor's resize and normalisation. Evaluation: exactly the image processor's resize and
-normalisation, so `pipeline()` on the exported model sees what evaluation saw. Randomness comes from a
-`random.Random` per sample, so augmentations repeat exactly on a resumed run.
+model image processor's resize. Evaluation: exactly the image processor's resize. Both return uint8 (3, H, W)
+tensors: batches cross from DataLoader workers to the trainer at a quarter of float32's bytes, and `Normalize`
+applies the processor's normalisation on the device the model runs on (as timm's prefetching loader does), with
+the arithmetic the processor uses, so `pipeline()` on the exported model sees what evaluation saw. Randomness
+comes from a `random.Random` per sample, so augmentations repeat exactly on a resumed run.
 """
 import math
 
@@ -12,20 +14,31 @@ import torch
 from PIL import Image, ImageEnhance, ImageOps
 
 
-def _to_tensor(img: Image.Image, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    x = torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0).permute(2, 0, 1)  # (3, H, W)
-    return (x - mean) / std
+def _to_tensor(img: Image.Image) -> torch.Tensor:
+    """(3, H, W) uint8, contiguous: the one copy a channels-first layout needs."""
+    return torch.from_numpy(np.asarray(img, dtype=np.uint8)).permute(2, 0, 1).contiguous()
+
+
+class Normalize:
+    """uint8 (B, 3, H, W) images -> float32 (x / 255 - mean) / std, on whatever device the batch is on."""
+
+    def __init__(self, processor):
+        self.mean = torch.tensor(processor.image_mean, dtype=torch.float32).view(1, 3, 1, 1)
+        self.std = torch.tensor(processor.image_std, dtype=torch.float32).view(1, 3, 1, 1)
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        if self.mean.device != images.device:
+            self.mean, self.std = self.mean.to(images.device), self.std.to(images.device)
+        return (images.float() / 255.0 - self.mean) / self.std
 
 
 class EvalTransform:
     def __init__(self, processor):
         self.size = (processor.size["width"], processor.size["height"])
         self.resample = int(processor.resample)
-        self.mean = torch.tensor(processor.image_mean).view(3, 1, 1)
-        self.std = torch.tensor(processor.image_std).view(3, 1, 1)
 
     def __call__(self, img: Image.Image, rng=None) -> torch.Tensor:
-        return _to_tensor(img.convert("RGB").resize(self.size, self.resample), self.mean, self.std)
+        return _to_tensor(img.convert("RGB").resize(self.size, self.resample))
 
 
 # RandAugment ops: name -> f(img, magnitude in [0, 1], sign). Ranges follow the paper's table.
@@ -87,7 +100,7 @@ class TrainTransform(EvalTransform):
             img = ImageOps.mirror(img)
         for name in rng.sample(sorted(RAND_OPS), self.n) if self.n else ():
             img = RAND_OPS[name](img, self.m, rng.choice((-1, 1)))
-        return _to_tensor(img, self.mean, self.std)
+        return _to_tensor(img)
 
 
 def mix_batch(images: torch.Tensor, labels: torch.Tensor, num_classes: int, mixup: float, cutmix: float,

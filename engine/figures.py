@@ -9,17 +9,16 @@ import numpy as np  # noqa: E402
 GRID = 4  # the prediction grid is GRID x GRID images
 
 
-def predictions(images, labels, predicted, names, mean, std):
+def predictions(images, labels, predicted, names):
     """A grid of validation images titled "predicted / true", in red where they differ. `images`: (N, 3, H, W)
-    as the model sees them, normalised with `mean` and `std`."""
+    uint8, as the loader gives them."""
     n = min(len(images), GRID * GRID)
     fig, axes = plt.subplots(GRID, GRID, figsize=(2 * GRID, 2.2 * GRID))
     for i, ax in enumerate(axes.flat):
         ax.axis("off")
         if i >= n:
             continue
-        image = images[i].float().numpy().transpose(1, 2, 0) * np.array(std) + np.array(mean)
-        ax.imshow(np.clip(image, 0, 1), interpolation="nearest")
+        ax.imshow(images[i].numpy().transpose(1, 2, 0), interpolation="nearest")
         right = predicted[i] == labels[i]
         ax.set_title(f"{names[predicted[i]]} / {names[labels[i]]}", fontsize=9, color="black" if right else "red")
     fig.suptitle("validation: predicted / true")

@@ -45,10 +45,13 @@ def zero_memory_parts(n_params: int, zero_stage: int, world_size: int, precision
     partition, ZeRO-1's whole gradients between micro-batches), optimizer_states (fp32 master and AdamW's
     moments), zero3_gathered (prefetch bucket and live gathered weights) and optimizer_step_temporaries (the
     fp32 gradient partition, AdamW's two temporaries and ZeRO-1's reduced gradient partition); with ZeRO++'s hpZ,
-    zero3_secondary (the weights' secondary partition over the ranks of a node, which the backward gathers from)."""
+    zero3_secondary (the weights' secondary partition over the ranks of a node, which the backward gathers from).
+    What ZeRO-Offload moves to host memory (`offload_optimizer`: the states, the fp32 gradient partition and the
+    step; `offload_param` under ZeRO-3: the weights' partition) is not on the device: `offloaded_bytes` counts it."""
     weight = grad = 2 if precision in ("bf16", "fp16") else 4
     n, part = n_params, n_params / world_size
     zero = ds_config.get("zero_optimization", {})
+    optimizer_off, param_off = offloaded(zero_stage, ds_config)
     parts = {"weights": weight * (part if zero_stage == 3 else n), "gradients": 0, "optimizer_states": 12 * part,
              "zero3_gathered": 0, "zero3_secondary": 0}
     hpz = zero.get("zero_hpz_partition_size", 1)
@@ -64,7 +67,29 @@ def zero_memory_parts(n_params: int, zero_stage: int, world_size: int, precision
     elif ds_config.get("gradient_accumulation_steps", 1) > 1:  # ZeRO-1 keeps gradients between micro-batches
         parts["gradients"] = grad * n
     parts["optimizer_step_temporaries"] = (4 if zero_stage == 1 else 3) * 4 * part
+    if optimizer_off:
+        parts["optimizer_states"] = parts["optimizer_step_temporaries"] = 0
+        if zero_stage in (2, 3):
+            parts["gradients"] = 0
+    if param_off:
+        parts["weights"] = 0
     return {k: int(v) for k, v in parts.items()}
+
+
+def offloaded(zero_stage: int, ds_config: dict) -> tuple[bool, bool]:
+    """(optimizer offloaded, parameters offloaded) by the DeepSpeed config; parameters only under ZeRO-3."""
+    zero = ds_config.get("zero_optimization", {})
+    device = lambda what: zero.get(what, {}).get("device", "none") not in ("none", None)
+    return device("offload_optimizer"), zero_stage == 3 and device("offload_param")
+
+
+def offloaded_bytes(n_params: int, zero_stage: int, world_size: int, precision: str, ds_config: dict) -> int:
+    """Per-rank bytes ZeRO-Offload keeps in host memory: the fp32 master partition and AdamW's moments, the fp32
+    gradient partition the CPU step reads, and (parameter offload) the weights' partition."""
+    optimizer_off, param_off = offloaded(zero_stage, ds_config)
+    part = n_params / world_size
+    weight = 2 if precision in ("bf16", "fp16") else 4
+    return int((16 * part if optimizer_off else 0) + (weight * part if param_off else 0))
 
 
 def peak_memory_bytes() -> int:

@@ -9,7 +9,7 @@ import torch
 from config import Config, ConfigError
 from engine import compat
 from engine.parallelize import DTYPES
-from engine.memory import zero_memory_bytes, zero_memory_parts
+from engine.memory import offloaded, offloaded_bytes, zero_memory_bytes, zero_memory_parts
 from models.blocks import Block, find_blocks
 from models.checkpointing import PROFILE_BATCH, choose_plan, plan_figures, profile_blocks
 from models.registry import add_drop_path, model_config
@@ -26,20 +26,28 @@ class Device:
     intra_gbs: float  # GB/s per direction per device between devices of one node
     inter_gbs: float  # GB/s per direction per device between nodes (its share of the network)
     op_overhead_s: float = 10e-6  # host time to launch one operator (eager PyTorch): a floor on small micro-batches
+    host_gbs: float = 25.0  # GB/s per direction between the device and host memory (ZeRO-Offload's traffic)
+    host_memory_gib: float = 1024.0  # host memory of a node, for what ZeRO-Offload keeps there
 
 
 # Vendors' data sheets: dense bf16 tensor-core FLOP/s (SXM parts), memory as nvidia-smi reports it, NVLink
 # bandwidth per direction, and one 200 Gb/s (A100 systems) or 400 Gb/s (H100 and later) NIC per GPU.
+# Host side: PCIe 4.0 x16 (A100) or 5.0 x16 (H100 and later) at about 80% of its per-direction rate, and the host
+# memory of the vendor's 8-GPU system (DGX A100 40/80 GB: 1/2 TB; DGX H100, H200: 2 TB; DGX B200: 4 TB).
 DEVICES = {d.name: d for d in (
-    Device("a100-40gb", 312e12, 40.0, 300, 25),
-    Device("a100-80gb", 312e12, 80.0, 300, 25),
-    Device("h100-80gb", 989e12, 79.6, 450, 50),
-    Device("h200", 989e12, 140.4, 450, 50),
-    Device("b200", 2250e12, 179.1, 900, 50),
+    Device("a100-40gb", 312e12, 40.0, 300, 25, host_gbs=25, host_memory_gib=1024),
+    Device("a100-80gb", 312e12, 80.0, 300, 25, host_gbs=25, host_memory_gib=2048),
+    Device("h100-80gb", 989e12, 79.6, 450, 50, host_gbs=50, host_memory_gib=2048),
+    Device("h200", 989e12, 140.4, 450, 50, host_gbs=50, host_memory_gib=2048),
+    Device("b200", 2250e12, 179.1, 900, 50, host_gbs=50, host_memory_gib=4096),
 )}
 RESERVED_GIB = 2.0  # per device, outside the allocator: the CUDA context, NCCL's buffers, the allocator's slack
 ALLOCATOR_MARGIN = 0.05  # of the rest, left for fragmentation
 DEFAULT_MFU = 0.4  # fraction of the device's peak the model's matmuls reach (the ViT-22B paper reports 0.55)
+# ZeRO-Offload's optimizer step on the host: parameters updated per second by one node's CPU Adam, all its ranks
+# together. An assumption for a two-socket server (docs/planner.md gives what one core measured here).
+HOST_ADAM_PARAMS_PER_S = 2e9
+OFFLOAD_TEMPLATE = "ds_configs/zero3_offload.json"
 
 
 def meta_model(cfg: Config):
@@ -125,8 +133,20 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
     comm_s = intra / (device.intra_gbs * 1e9) + inter / (device.inter_gbs * 1e9)
     zeropp = cfg.zero_stage == 3 and bool(zero.get("zero_quantized_weights") or zero.get("zero_quantized_gradients")
                                           or zero.get("zero_hpz_partition_size", 1) > 1)
-    step_s = compute_s + (1 - overlap) * comm_s
+    # ZeRO-Offload: the gradient partition goes to the host and the updated weights come back every step, the
+    # host's CPU Adam updates the node's partitions, and offloaded weights cross PCIe for every gather (forward
+    # and backward of each micro-batch); none of it overlapped
+    optimizer_off, param_off = offloaded(cfg.zero_stage, ds_config)
+    part = n_params / world_size
+    host_bytes = (2 * weight_bytes * part if optimizer_off else 0) + (
+        2 * weight_bytes * part * cfg.grad_accum_steps if param_off else 0)
+    node_ranks = min(ranks_per_node, world_size)
+    host_adam_s = part * node_ranks / HOST_ADAM_PARAMS_PER_S if optimizer_off else 0.0
+    offload_s = host_bytes / (device.host_gbs * 1e9) + host_adam_s
+    step_s = compute_s + (1 - overlap) * comm_s + offload_s
     capacity = (device.memory_gib - RESERVED_GIB) * (1 - ALLOCATOR_MARGIN) * GiB
+    host = offloaded_bytes(n_params, cfg.zero_stage, world_size, precision, ds_config)
+    host_fits = host * node_ranks <= device.host_memory_gib * GiB * (1 - ALLOCATOR_MARGIN)
     return {
         "model": cfg.model, "params": n_params, "largest_block_params": largest, "image_size": cfg.image_size,
         "precision": precision, "zero_stage": cfg.zero_stage, "micro_batch_size": cfg.micro_batch_size,
@@ -136,7 +156,10 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
         "memory": {**{k: v for k, v in parts.items() if k != "optimizer_step_temporaries"},
                    "activations": activations, "optimizer_step_temporaries": parts["optimizer_step_temporaries"]},
         "peak_bytes": peak, "peak_moment": "backward" if peak > fixed["optimizer_step"] else "optimizer_step",
-        "capacity_bytes": int(capacity), "fits": peak <= capacity,
+        "capacity_bytes": int(capacity), "fits": peak <= capacity and host_fits,
+        "offload": {"optimizer": optimizer_off, "params": param_off, "host_bytes_per_rank": host,
+                    "host_bytes_per_node": host * node_ranks, "pcie_bytes_per_step_per_rank": host_bytes,
+                    "host_adam_s": host_adam_s, "offload_s": offload_s},
         "flops_per_step_per_rank": flops, "forward_flops_per_image": fwd_flops,
         "recompute_fraction": figures["recompute_flops_fraction"],
         "comm_bytes_per_step_per_rank": sent, "comm_bytes_between_nodes": inter, "zeropp": bool(zeropp),
@@ -144,7 +167,8 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
         "images_per_s": images * world_size / step_s,
         "assumptions": {"mfu": mfu, "overlap": overlap, "intra_gbs": device.intra_gbs, "inter_gbs": device.inter_gbs,
                         "reserved_gib": RESERVED_GIB, "allocator_margin": ALLOCATOR_MARGIN,
-                        "op_overhead_s": device.op_overhead_s, "ops_per_forward": n_ops},
+                        "op_overhead_s": device.op_overhead_s, "ops_per_forward": n_ops,
+                        "host_gbs": device.host_gbs, "host_adam_params_per_s": HOST_ADAM_PARAMS_PER_S},
     }
 
 
@@ -166,7 +190,9 @@ def search(cfg: Config, ds_config_for, precision: str, world_size: int, ranks_pe
     found = []
     # ZeRO-3 also with ZeRO++ (ds_configs/zero3pp.json: hpZ over a node, quantized weights and gradients) when
     # the job spans nodes: within one node hpZ's secondary partition would be the primary one
-    variants = [(1, ""), (2, ""), (3, "")] + ([(3, ZEROPP_TEMPLATE)] if world_size > ranks_per_node else [])
+    # and ZeRO-3 with the optimizer and the weights offloaded to host memory (ds_configs/zero3_offload.json)
+    variants = [(1, ""), (2, ""), (3, ""), (3, OFFLOAD_TEMPLATE)] + (
+        [(3, ZEROPP_TEMPLATE)] if world_size > ranks_per_node else [])
     for stage, template in variants:
         for micro in micro_batches:
             scaled = (base[0].scaled(micro / PROFILE_BATCH), *base[1:])
@@ -183,16 +209,19 @@ def search(cfg: Config, ds_config_for, precision: str, world_size: int, ranks_pe
 
 def smallest_cluster(cfg: Config, ds_config_for, precision: str, ranks_per_node: int, device: Device,
                      limit: int = 2**20):
-    """The fewest ranks (a power of two) on which ZeRO-3 with full recompute at micro-batch 1 fits, or None."""
+    """(the fewest ranks, a power of two, on which ZeRO-3 with full recompute at micro-batch 1 fits, with the
+    optimizer and weights offloaded if that is what fits first; whether it is) or (None, False)."""
     base = profile(replace(cfg, micro_batch_size=1), _target(device), DTYPES[precision])
     world = 1
     while world <= limit:
-        candidate = replace(cfg, zero_stage=3, micro_batch_size=1, grad_accum_steps=1, ac="full")
-        if estimate(candidate, ds_config_for(candidate), precision, world, ranks_per_node, device,
-                    measured=base)["fits"]:
-            return world
+        for template in ("", OFFLOAD_TEMPLATE):
+            candidate = replace(cfg, zero_stage=3, micro_batch_size=1, grad_accum_steps=1, ac="full",
+                                ds_config=template)
+            if estimate(candidate, ds_config_for(candidate), precision, world, ranks_per_node, device,
+                        measured=base)["fits"]:
+                return world, bool(template)
         world *= 2
-    return None
+    return None, False
 
 
 def validate(results_csv: str, mfu: float = 1.0, intra_gbs: float = 10.0) -> list:

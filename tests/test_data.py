@@ -17,7 +17,7 @@ import torch
 from conftest import REPO
 from data.loader import ShardStream, TrainLoader, eval_batches, merge_states, resume_state
 from data.shards import DataError, parse_spec
-from data.transforms import EvalTransform, TrainTransform, mix_batch
+from data.transforms import EvalTransform, Normalize, TrainTransform, mix_batch
 from models import build_model
 from PIL import Image
 
@@ -332,6 +332,23 @@ def test_train_transform_is_seeded_and_changes_the_image():
     assert not a.equal(EvalTransform(PROCESSOR)(img))
 
 
+def test_uint8_batches_normalise_on_the_device_as_the_float_path_did():
+    """Workers hand over uint8 images; `Normalize` then gives, bitwise, what normalising each image in float32
+    in the worker gave, and what the image processor (the exported model's `pipeline`) computes, to 1e-6."""
+    img = Image.fromarray(np.random.default_rng(1).integers(0, 255, (40, 60, 3), dtype=np.uint8))
+    t = EvalTransform(PROCESSOR)
+    x = t(img)
+    assert x.dtype == torch.uint8 and x.shape == (3, 16, 16) and x.is_contiguous()
+    ours = Normalize(PROCESSOR)(x[None])[0]
+    resized = np.asarray(img.convert("RGB").resize(t.size, t.resample), dtype=np.float32) / 255.0
+    mean, std = (torch.tensor(v).view(3, 1, 1) for v in (PROCESSOR.image_mean, PROCESSOR.image_std))
+    assert torch.equal(ours, (torch.from_numpy(resized).permute(2, 0, 1) - mean) / std)
+    hf = PROCESSOR(images=img, return_tensors="pt")["pixel_values"][0]
+    torch.testing.assert_close(ours, hf, atol=1e-6, rtol=0)
+    augmented = TrainTransform(PROCESSOR, 0.08, 0.5, 2, 9)(img, random.Random("k"))
+    assert augmented.dtype == torch.uint8 and augmented.is_contiguous()
+
+
 @pytest.mark.parametrize("mixup,cutmix", [(0.8, 0.0), (0.0, 1.0), (0.8, 1.0)])
 def test_mix_batch_soft_targets(mixup, cutmix):
     images, labels = torch.randn(8, 3, 16, 16), torch.arange(8) % 10
@@ -348,6 +365,12 @@ def test_data_benchmark_runs(tmp_path):
                            "--repeats", "1", "--workers", "0,1", "--out", str(tmp_path)], cwd=REPO,
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr
-    rows = (tmp_path / "results.csv").read_text().splitlines()
-    assert rows[0].startswith("path,workers,images_per_sec_median") and len(rows) == 4
+    import csv
+
+    rows = list(csv.DictReader(open(tmp_path / "results.csv")))
+    # uint8 at 0 and 1 workers, the float32 baseline at 1, and the eval path three ways
+    assert [(r["path"], r["workers"], r["batches"]) for r in rows] == [
+        ("train", "0", "uint8"), ("train", "1", "uint8"), ("train", "1", "float32"), ("eval", "0", "uint8"),
+        ("eval", "0", "uint8+normalize"), ("eval", "0", "float32")]
+    assert float(rows[1]["vs_float32_median"]) > 0 and rows[0]["vs_float32_median"] == ""
     assert (tmp_path / "throughput.png").stat().st_size > 10_000

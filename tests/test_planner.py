@@ -1,6 +1,7 @@
 """The planner (plan.py, engine/planner.py): its meta-device profile against the real-tensor one, its parameter
 counts against the published ones, its model-state bytes against DeepSpeed's own estimators, and the CLI."""
 import json
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -94,10 +95,19 @@ def test_plan_vit_22b_on_1024_gpus(tmp_path):
     assert ds["zero_optimization"]["stage"] == best["zero_stage"] and ds["bf16"]["enabled"]
     assert "--nnodes 128 --nproc_per_node 8" in (out / "launch.sh").read_text()
 
+    # one node of 8 x 40 GB holds ViT-22B only with ZeRO-Offload (18 bytes per parameter in host memory)...
     proc = plan("--model", "vit-22b", "--image_size", 224, "--precision", "bf16", "--world_size", 8, "--device",
-                "a100-40gb", "--global_batch", 64)
+                "a100-40gb", "--global_batch", 64, "--json")
+    assert proc.returncode == 0, proc.stderr
+    feasible = json.loads(proc.stdout)["feasible"]
+    assert feasible and all(e["offload"]["optimizer"] and e["offload"]["params"] for e in feasible)
+    assert feasible[0]["offload"]["host_bytes_per_node"] == pytest.approx(18 * feasible[0]["params"], rel=1e-6)
+    # ... which needs host memory: with 64 GiB per node, no configuration fits, and the error names the cluster
+    proc = plan("--model", "vit-22b", "--image_size", 224, "--precision", "bf16", "--world_size", 8, "--device",
+                "a100-40gb", "--global_batch", 64, "--host_memory_gb", 64)
     assert proc.returncode == 2 and proc.stderr.startswith("error: no configuration of vit-22b fits 8 x a100-40gb")
-    assert "the smallest cluster on which it fits at all" in proc.stderr and len(proc.stderr.splitlines()) == 1
+    assert "the smallest cluster on which it fits at all (ZeRO-3, full recompute, micro-batch 1) is 32 ranks" \
+        in proc.stderr and len(proc.stderr.splitlines()) == 1
 
 
 @pytest.mark.parametrize("args,message", [
@@ -168,3 +178,21 @@ def test_zeropp_sends_a_quarter_of_zero3s_bytes_between_nodes():
     assert plus[0] == pytest.approx(n * 2 * (node - 1) / node)  # the backward's gather, over NVLink
     parts = zero_memory_parts(n, 3, world, "bf16", {"zero_optimization": zeropp})
     assert parts["zero3_secondary"] == pytest.approx(2 * n / node, abs=1)
+
+
+def test_zero_offload_moves_the_states_to_the_host():
+    """ZeRO-Offload (ds_configs/zero3_offload.json): the fp32 master, AdamW's moments, the fp32 gradient partition
+    and the step leave the device; with the parameters offloaded, the weights' partition too. What remains on
+    the device is ZeRO-3's gathered weights."""
+    from engine.memory import offloaded_bytes
+
+    n, world = 1_000_000_000, 8
+    template = json.load(open(os.path.join(REPO, "ds_configs", "zero3_offload.json")))["zero_optimization"]
+    offload = {"zero_optimization": {k: v for k, v in template.items() if k.startswith("offload_")}}
+    plain = zero_memory_parts(n, 3, world, "bf16", {"zero_optimization": {}})
+    parts = zero_memory_parts(n, 3, world, "bf16", offload)
+    assert plain["optimizer_states"] > 0 and plain["weights"] > 0 and plain["gradients"] > 0
+    assert parts["optimizer_states"] == parts["optimizer_step_temporaries"] == parts["weights"] == 0
+    assert parts["gradients"] == 0
+    assert offloaded_bytes(n, 3, world, "bf16", offload) == pytest.approx((12 + 4 + 2) * n / world, abs=1)
+    assert offloaded_bytes(n, 3, world, "bf16", {"zero_optimization": {}}) == 0
