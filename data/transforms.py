@@ -29,7 +29,7 @@ class Normalize:
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
         if self.mean.device != images.device:
             self.mean, self.std = self.mean.to(images.device), self.std.to(images.device)
-        return (images.float() / 255.0 - self.mean) / self.std
+        return images.float().div_(255.0).sub_(self.mean).div_(self.std)  # in place: one float copy of the batch
 
 
 class EvalTransform:
