@@ -44,7 +44,7 @@ SWIN_SIZES = {
 }
 NAMES = (*VIT_SIZES, *SWIN_SIZES)
 HEAD = "classifier"  # the classification head of transformers' ViT and Swin: what `freeze: backbone` trains
-HUB_TIMEOUT_S = 5.0  # the hub's reachability probe; transformers itself retries an unreachable hub for ~25 s
+HUB_TIMEOUT_S = 5.0  # the hub's reachability probe; transformers itself retries an unreachable hub with back-off
 
 
 def model_config(name: str, num_labels: int, image_size: int, patch_size: int = 0, class_names=None,
