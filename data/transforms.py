@@ -16,7 +16,7 @@ from PIL import Image, ImageEnhance, ImageOps
 
 def _to_tensor(img: Image.Image) -> torch.Tensor:
     """(3, H, W) uint8, contiguous: the one copy a channels-first layout needs."""
-    return torch.from_numpy(np.asarray(img, dtype=np.uint8)).permute(2, 0, 1).contiguous()
+    return torch.from_numpy(np.ascontiguousarray(np.asarray(img, dtype=np.uint8).transpose(2, 0, 1)))
 
 
 class Normalize:

@@ -62,7 +62,7 @@ def build_training_model(cfg: Config, ds_config: dict, class_names=None, log=Non
         frozen = freeze(model, cfg.freeze)
         if log:
             total = sum(compat.param_numel(p) for p in model.parameters())
-            log(f"freeze: {frozen / 1e6:.2f}M of {total / 1e6:.2f}M parameters are frozen ({cfg.freeze})")
+            log(f"freeze: {frozen:,} of {total:,} parameters are frozen ({cfg.freeze}); {total - frozen:,} train")
     return model, processor
 
 

@@ -279,6 +279,7 @@ def test_selective_composes_with_bf16_and_grad_accumulation(debug_args, tmp_path
     assert json.loads((tmp_path / "ds_config.json").read_text())["bf16"]["enabled"] is True
 
 
+@pytest.mark.slow  # torch.compile on 2 CPU cores compiles for most of a minute
 def test_compile_composes_with_selective_under_zero3(debug_args, tmp_path):
     """`compile: true` (DeepSpeed's engine.compile()) over selective checkpointing and ZeRO-3's hooks: 2 ranks,
     real DeepSpeed, the same losses as eager to fp32 rounding (inductor fuses differently)."""

@@ -42,7 +42,7 @@ def probe(pretrained, digits, tmp_path_factory):
 def test_linear_probe_trains_only_a_new_head(probe, pretrained):
     proc, out = probe
     assert f"has {PRETRAINED_LABELS} classes; its classifier head is re-initialised for 10" in proc.stdout
-    assert re.search(r"freeze: [\d.]+M of [\d.]+M parameters are frozen \(backbone\)", proc.stdout)
+    assert re.search(r"freeze: [\d,]+ of [\d,]+ parameters are frozen \(backbone\); 330 train", proc.stdout)
     before, after = weights(pretrained), weights(os.path.join(out, "hf_model"))
     assert set(before) == set(after)
     for name in before:

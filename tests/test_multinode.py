@@ -108,6 +108,7 @@ def test_slurm_env_outside_a_job_is_one_error():
     assert proc.stderr.strip().splitlines()[-1].startswith("error: not inside a Slurm job step: SLURM_JOB_NODELIST")
 
 
+@pytest.mark.slow  # two 2-rank loopback nodes, most of a minute
 def test_zeropp_hierarchical_partitioning_on_two_nodes_of_two_ranks(debug_args, tmp_path):
     """ZeRO++'s hpZ on 2 torchrun nodes of 2 ranks: ds_configs/zero3pp.json's zero_hpz_partition_size "auto" is
     the 2 ranks per node, so each parameter's secondary partition stays within its node. The losses equal plain
