@@ -37,9 +37,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from config import Config  # noqa: E402
 from engine import compat  # noqa: E402
 from engine.distributed import exit_distributed, init_distributed  # noqa: E402
-from engine.memory import allocation_curve, trace_events  # noqa: E402
+from engine.memory import allocation_curve, fsdp2_memory_bytes, trace_events  # noqa: E402
 from engine.optim import lr_schedule, param_groups  # noqa: E402
-from engine.parallelize import build_engine, build_training_model, engine_config  # noqa: E402
+from engine.parallelize import apply_ac, build_engine, build_training_model, engine_config  # noqa: E402
 from models import build_model, find_blocks, model_config  # noqa: E402
 
 
@@ -51,7 +51,7 @@ class Spec:
     patch_size: int = 0
     micro_batch_size: int = 8
     zero: int = 3  # deepspeed: ZeRO stage
-    ac: str = "none"  # deepspeed: this project's policy; fsdp2: none | full | every_n:K (Hugging Face's own)
+    ac: str = "none"  # this project's policy; fsdp2 also hf:full | hf:every_n:K (Hugging Face's own)
     reshard: bool = True  # fsdp2: reshard_after_forward (True ~ ZeRO-3, False ~ ZeRO-2)
     profiled_steps: int = 2  # the first steps, under the memory profiler (they also warm up)
     # untimed steps before the timed ones: on CPU the process heap grows to the step's working set over the
@@ -74,36 +74,47 @@ def run_config(spec: Spec) -> Config:
     norms and biases, clipping at 1.0, label smoothing 0.1, precision `auto`: fp32 on CPU, bf16 on GPUs), the
     spec's shape, and a warm-up that lasts past the few steps of a job."""
     return Config(model=spec.model, num_labels=spec.num_labels, image_size=spec.image_size,
-                  patch_size=spec.patch_size, zero_stage=spec.zero, ac=spec.ac if spec.engine == "deepspeed" else "none",
+                  patch_size=spec.patch_size, zero_stage=spec.zero, ac="none" if spec.ac.startswith("hf:") else spec.ac,
                   micro_batch_size=spec.micro_batch_size, warmup_steps=20, max_steps=100, seed=spec.seed)
 
 
 class FSDP2Step:
-    """Plain PyTorch FSDP2 as its users write it: fully_shard per block and the root, torch AdamW,
-    Hugging Face's own activation checkpointing."""
+    """PyTorch FSDP2: `fully_shard` per block and on the root, torch's fused AdamW (one kernel per parameter
+    list on CPU and GPU: the fastest update torch offers), and either this project's checkpointing, wrapped by
+    the same `apply_ac` DeepSpeed's blocks go through, or Hugging Face's own (`hf:full`, `hf:every_n:K`): plain
+    FSDP2 as its users run it."""
 
     def __init__(self, model, cfg: Config, spec: Spec):
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        if spec.ac != "none":
-            every = int(spec.ac.split(":")[1]) if spec.ac.startswith("every_n:") else 1
-            if spec.ac not in ("full",) and not spec.ac.startswith("every_n:"):
-                raise ValueError(f"fsdp2 runs Hugging Face's checkpointing: ac full or every_n:K, not {spec.ac}")
-            model.activation_checkpointing_enable(every_n_layers=every)
         cuda = torch.cuda.is_available()
+        precision = "bf16" if cuda else "fp32"
+        blocks = find_blocks(model)
+        self.plan = None
+        if spec.ac.startswith("hf:"):
+            how = spec.ac[3:]
+            if how != "full" and not how.startswith("every_n:"):
+                raise ValueError(f"fsdp2: Hugging Face's checkpointing is hf:full or hf:every_n:K, not {spec.ac}")
+            model.activation_checkpointing_enable(every_n_layers=int(how.split(":")[1]) if ":" in how else 1)
+        else:
+            n = sum(p.numel() for p in model.parameters())
+            sizes = [sum(p.numel() for p in b.module.parameters()) for b in blocks]
+            fixed = fsdp2_memory_bytes(n, n - sum(sizes), max(sizes), dist.get_world_size(), precision, spec.reshard,
+                                       fused_adamw=True)
+            self.plan = apply_ac(model, cfg, fixed, precision, "cuda" if cuda else "cpu", log=lambda *a: None)
         mesh = init_device_mesh("cuda" if cuda else "cpu", (dist.get_world_size(),))
         # GPUs: bf16 compute, fp32 gradient reduction and master weights, as DeepSpeed's bf16 mode
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda \
             else MixedPrecisionPolicy()
         if cuda:
             model.to(torch.cuda.current_device())
-        for block in find_blocks(model):
+        for block in blocks:
             fully_shard(block.module, mesh=mesh, reshard_after_forward=spec.reshard, mp_policy=mp)
         fully_shard(model, mesh=mesh, reshard_after_forward=spec.reshard, mp_policy=mp)
         self.model, self.cfg = model, cfg
         self.opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                                     eps=1e-8)
+                                     eps=1e-8, fused=True)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_schedule(cfg))
 
     def forward(self, images, labels):
@@ -280,8 +291,8 @@ def main():
                   "step_peak_bytes": column(3), "activation_bytes": column(4), "max_rss_bytes": column(5),
                   "hardware_flops_per_step": sum(float(g[6]) for g in gathered),
                   "forward_weight_bytes": column(7)}
-        if spec.engine == "deepspeed":
-            plan = step_fn.plan
+        plan = step_fn.plan
+        if plan is not None:
             result["ac_plan"] = {k: plan.get(k) for k in ("activation_bytes_planned", "activation_bytes_none",
                                                          "activation_peak_planned", "recompute_flops_fraction",
                                                          "fixed_bytes_estimate", "peak_bytes_planned")}

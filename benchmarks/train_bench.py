@@ -17,6 +17,7 @@ import argparse
 import csv
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -44,8 +45,9 @@ class Shape:
 
 @dataclass
 class Run:
-    """One configuration. `ac` for DeepSpeed is this project's policy; `auto:race` and `auto:fX` are budgets
-    the harness fills from peaks it measured earlier in the same invocation (see `resolve_budget`)."""
+    """One configuration. `ac` is this project's policy, on either engine, or for FSDP2 also Hugging Face's own
+    checkpointing (`hf:full`, `hf:every_n:K`); `auto:race` and `auto:fX` are budgets the harness fills from
+    peaks it measured earlier in the same invocation (see `resolve_budget`)."""
     engine: str  # deepspeed | fsdp2
     ac: str
     zero: int = 0  # deepspeed's stage
@@ -54,22 +56,28 @@ class Run:
     @property
     def name(self) -> str:
         if self.engine == "fsdp2":
-            hf = {"none": "no AC", "full": "HF full AC"}.get(self.ac, f"HF AC every {self.ac.split(':')[-1]}")
+            hf = {"hf:full": "HF full AC"}.get(self.ac, f"HF AC every {self.ac.split(':')[-1]}") \
+                if self.ac.startswith("hf:") else self.ac
             return f"FSDP2{'' if self.reshard else ' no-reshard'} + {hf}"
         return f"ZeRO-{self.zero} + {self.ac}"
+
+    @property
+    def plain(self) -> bool:
+        """FSDP2 as its users run it: without this project's checkpointing (none, or Hugging Face's)."""
+        return self.engine == "fsdp2" and (self.ac == "none" or self.ac.startswith("hf:"))
 
 
 @dataclass
 class Suite:
     shapes: list
     runs: list  # per shape label, or "*" for every shape: {label: [Run, ...]}
-    repeats: int = 3
+    repeats: int = 5
     profiled_steps: int = 2
     warmup_steps: int = 0  # untimed, between the profiled steps and the timed ones (bench_worker.Spec)
     timed_steps: int = 2
     ranks: int = 2
     timeout_s: int = 600
-    targets_shape: str = ""  # the shape the engine and `auto` targets are checked on
+    targets_shape: str = ""  # the shape the budget-race, memory and `auto` targets are checked on
     notes: list = field(default_factory=list)
 
 
@@ -81,42 +89,46 @@ def zero(stage, *policies):
     return [Run("deepspeed", ac, zero=stage) for ac in policies]
 
 
-# Order matters only in the first repeat: the FSDP2 runs and the fixed policies come first because the
-# `auto` budgets are derived from their measured peaks.
+def same_policy(policies, stage=3):
+    """Each policy under FSDP2 (resharding, as ZeRO-3 does) and under ZeRO-`stage`, side by side."""
+    return [run for ac in policies for run in (fsdp2(ac), Run("deepspeed", ac, zero=stage))]
+
+
+# Order matters only in the first repeat: plain FSDP2 and the fixed policies come first because the `auto`
+# budgets are derived from their measured peaks.
+PLAIN_VIT = [fsdp2("none"), fsdp2("hf:full"), fsdp2("hf:every_n:2"), fsdp2("none", False)]
+PLAIN_SWIN = [fsdp2("none"), fsdp2("hf:full"), fsdp2("none", False)]
 VIT_S = Shape("vit-small", 64, 8, 32, "ViT-S/8, 64x64 (65 tokens), batch 32 per rank")
 SWIN_T = Shape("swin-tiny-w4", 128, 4, 32, "Swin-T (4x4 windows), 128x128, batch 32 per rank")
 SUITES = {
     "cpu-smoke": Suite(
         shapes=[Shape("vit-debug", 16, 0, 8, "vit-debug, 16x16, batch 8 per rank")],
-        runs={"*": [fsdp2("none"), fsdp2("full"), *zero(1, "none"), *zero(3, "none", "selective", "full"),
-                    *zero(3, "auto:f0.5")]},
+        runs={"*": [fsdp2("none"), fsdp2("hf:full"), *zero(1, "none"), *same_policy(["selective"]),
+                    *zero(3, "none", "full", "auto:f0.5")]},
         repeats=2, profiled_steps=2, warmup_steps=1, timed_steps=2, timeout_s=180, targets_shape="vit-debug"),
     "cpu": Suite(
         shapes=[VIT_S, SWIN_T],
-        runs={VIT_S.label: [fsdp2("none"), fsdp2("full"), fsdp2("every_n:2"), fsdp2("none", False),
-                            fsdp2("full", False),
-                            *zero(1, "none", "selective", "full"),
-                            *zero(2, "none", "selective", "full", "hierarchical"),
-                            *zero(3, "none", "selective", "full", "hierarchical"),
-                            *zero(2, "auto:race"), *zero(3, "auto:race", "auto:f0.25", "auto:f0.5", "auto:f0.75")],
-              SWIN_T.label: [fsdp2("none"), fsdp2("full"), *zero(2, "none", "selective"),
-                             *zero(3, "none", "selective", "full", "hierarchical")]},
-        # 4 timed steps per job, 12 per configuration: warm Swin-T ZeRO-3 steps have single ops stalling at
-        # random (docs/benchmarks.md), which a median of fewer steps does not absorb
-        warmup_steps=2, timed_steps=4, targets_shape="vit-small"),
+        runs={VIT_S.label: [*PLAIN_VIT, Run("deepspeed", "none", zero=2),
+                            *same_policy(["full", "every_n:2", "selective", "hierarchical"]), *zero(3, "none"),
+                            *same_policy(["auto:race"]), *zero(2, "auto:race")],
+              SWIN_T.label: [*PLAIN_SWIN, Run("deepspeed", "none", zero=2), *zero(3, "none"),
+                             *same_policy(["selective", "full"])]},
+        # 5 repeats of 3 timed steps: 15 steps per configuration, each ratio paired within a repeat
+        repeats=5, profiled_steps=2, warmup_steps=1, timed_steps=3, targets_shape="vit-small"),
     "gpu": Suite(
         shapes=[Shape("vit-large", 224, 16, 32, "ViT-L/16, 224x224, batch 32 per GPU"),
                 Shape("vit-huge", 224, 14, 16, "ViT-H/14, 224x224, batch 16 per GPU"),
                 Shape("swin-base", 224, 4, 32, "Swin-B, 224x224, batch 32 per GPU"),
                 Shape("swin-large", 224, 4, 16, "Swin-L, 224x224, batch 16 per GPU")],
-        runs={"*": [fsdp2("none"), fsdp2("full"), fsdp2("every_n:2"), *zero(2, "none", "selective", "full"),
-                    *zero(3, "none", "selective", "full", "hierarchical", "auto:race")]},
+        runs={"*": [fsdp2("none"), fsdp2("hf:full"), fsdp2("hf:every_n:2"), *zero(3, "none"),
+                    *same_policy(["selective", "full", "hierarchical", "auto:race"]),
+                    *zero(2, "none", "selective")]},
         repeats=3, profiled_steps=3, timed_steps=10, ranks=8, targets_shape="vit-large"),
     # the gpu suite's first shape on one GPU, once: checks the harness's GPU path in ~3 minutes (gpu_check.sh)
     "gpu-small": Suite(
         shapes=[Shape("vit-large", 224, 16, 32, "ViT-L/16, 224x224, batch 32 per GPU")],
-        runs={"*": [fsdp2("none"), fsdp2("full"), *zero(2, "none", "selective"),
-                    *zero(3, "none", "selective", "full", "auto:race")]},
+        runs={"*": [fsdp2("none"), fsdp2("hf:full"), *zero(2, "none", "selective"), *zero(3, "none"),
+                    *same_policy(["selective", "full"]), *zero(3, "auto:race")]},
         repeats=1, profiled_steps=3, timed_steps=10, ranks=1, timeout_s=240, targets_shape="vit-large"),
 }
 
@@ -183,11 +195,11 @@ def peak_of(result: dict) -> int:
 
 
 def resolve_budget(run: Run, shape: Shape, measured: dict):
-    """GiB for `auto:race` (halfway between FSDP2 + HF full AC's and FSDP2 no-AC's peaks: the budget race) or
+    """GiB for `auto:race` (halfway between FSDP2 + HF full AC's and plain FSDP2's peaks: the budget race) or
     `auto:fX` (X of the way from this stage's `full` peak to its `none` peak: the budget sweep)."""
     arg = run.ac.split(":", 1)[1]
     if arg == "race":
-        low, high = measured.get((shape.label, fsdp2("full").name)), measured.get((shape.label, fsdp2("none").name))
+        low, high = measured.get((shape.label, fsdp2("hf:full").name)), measured.get((shape.label, fsdp2("none").name))
         frac = 0.5
     elif arg.startswith("f"):
         low = measured.get((shape.label, Run("deepspeed", "full", run.zero).name))
@@ -234,6 +246,94 @@ def run_job(suite: Suite, shape: Shape, run: Run, budget_gib, repeat: int, threa
     return result
 
 
+# ----------------------------------------------------------------------------- statistics
+BOOTSTRAP_RESAMPLES = 10_000
+
+
+def by_repeat(results: list, shape: str, config: str, value) -> dict:
+    """{repeat: value(job)} of a configuration's successful jobs."""
+    return {r["repeat"]: value(r) for r in results
+            if r["shape"] == shape and r["run"] == config and "error" not in r}
+
+
+def paired_ratio(a: dict, b: dict, seed: int = 0):
+    """(ratio, low, high, n) of a over b, both {repeat: value}: the geometric mean of the per-repeat ratios
+    (a and b of one repeat ran in the same sweep of the alternating order, so the machine's drift between
+    sweeps cancels), with a 95% percentile bootstrap interval over the repeats. None without a common repeat."""
+    import random
+
+    logs = [math.log(a[k] / b[k]) for k in sorted(set(a) & set(b)) if a[k] > 0 and b[k] > 0]
+    if not logs:
+        return None
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(BOOTSTRAP_RESAMPLES))
+    lo, hi = means[int(0.025 * len(means))], means[int(0.975 * len(means)) - 1]
+    return math.exp(statistics.fmean(logs)), math.exp(lo), math.exp(hi), len(logs)
+
+
+def fmt_ratio(r) -> str:
+    return f"{r[0]:.3f} [{r[1]:.3f}, {r[2]:.3f}]" if r else "n/a"
+
+
+def speed_ratio(results, shape, a, b):
+    return paired_ratio(by_repeat(results, shape, a, lambda r: r["images_per_sec"]),
+                        by_repeat(results, shape, b, lambda r: r["images_per_sec"]))
+
+
+def peak_ratio(results, shape, a, b):
+    return paired_ratio(by_repeat(results, shape, a, peak_of), by_repeat(results, shape, b, peak_of))
+
+
+def engine_table(results: list, rows: list, suite: Suite) -> list:
+    """Table 1: DeepSpeed against FSDP2 at the same checkpointing policy (ZeRO-3 against resharding FSDP2,
+    ZeRO-2 against FSDP2 without resharding), per shape: dicts with the two rows and both ratios."""
+    out = []
+    for shape in suite.shapes:
+        have = {r["config"]: r for r in rows if r["shape"] == shape.label and "images_per_sec" in r}
+        for run in runs_of(suite, shape):
+            if run.engine != "deepspeed" or run.zero == 1:
+                continue
+            other = fsdp2(run.ac, reshard=run.zero == 3)
+            if run.name in have and other.name in have:
+                out.append({"shape": shape.label, "policy": run.ac, "ours": have[run.name], "fsdp2": have[other.name],
+                            "speed": speed_ratio(results, shape.label, run.name, other.name),
+                            "memory": peak_ratio(results, shape.label, run.name, other.name)})
+    return out
+
+
+def race_table(results: list, rows: list, suite: Suite) -> list:
+    """Table 2, the budget race: at each budget (every plain FSDP2 configuration's peak, and the midpoint between
+    FSDP2 + HF full AC's and plain FSDP2's peaks that `auto:race` was given), the fastest configuration with
+    this project's checkpointing that fits (DeepSpeed's, and on either engine) against plain FSDP2's fastest
+    that fits, with the paired speed ratio."""
+    out = []
+    for shape in suite.shapes:
+        have = [r for r in rows if r["shape"] == shape.label and "images_per_sec" in r]
+        plain_names = {run.name for run in runs_of(suite, shape) if run.plain}
+        plain = [r for r in have if r["config"] in plain_names]
+        budgets = sorted({r["peak_alloc_mib"] for r in plain})
+        f_none = next((r for r in plain if r["config"] == fsdp2("none").name), None)
+        f_full = next((r for r in plain if r["config"] == fsdp2("hf:full").name), None)
+        midpoint = (f_none["peak_alloc_mib"] + f_full["peak_alloc_mib"]) / 2 if f_none and f_full else None
+        if midpoint:
+            budgets = sorted(budgets + [midpoint])
+        for budget in budgets:
+            fits = [r for r in have if r["peak_alloc_mib"] <= budget]
+            best = lambda rs: max(rs, key=lambda r: r["images_per_sec"]) if rs else None  # noqa: E731
+            theirs = best([r for r in fits if r["config"] in plain_names])
+            ours = best([r for r in fits if r["engine"] == "deepspeed"])
+            either = best([r for r in fits if r["config"] not in plain_names])
+            if not theirs:
+                continue
+            entry = {"shape": shape.label, "budget_mib": budget, "midpoint": budget == midpoint, "fsdp2": theirs,
+                     "ours": ours, "either": either}
+            for key in ("ours", "either"):
+                entry[f"{key}_speed"] = speed_ratio(results, shape.label, entry[key]["config"], theirs["config"]) \
+                    if entry[key] else None
+            out.append(entry)
+    return out
+
+
 # ----------------------------------------------------------------------------- summarising
 def summarise(results: list, shapes: list, suite: Suite, flops: dict, peak_gflops: float) -> list:
     rows = []
@@ -275,6 +375,11 @@ def summarise(results: list, shapes: list, suite: Suite, flops: dict, peak_gflop
                 max_rss_mib=round(statistics.median(max(r["max_rss_bytes"]) for r in jobs) / MiB, 1),
                 final_loss=round(loss, 6), loss_rel_diff=f"{abs(loss - reference_loss) / abs(reference_loss):.1e}",
                 ac_plan="/".join(f"{p[0]}" for p in first.get("ac_plan", {}).get("blocks", [])))
+            # images/s over the same repeats' plain FSDP2, with its interval: what `--compare` checks
+            vs = speed_ratio(results, shape.label, run.name, fsdp2("none").name)
+            if vs:
+                row.update(speed_vs_fsdp2=round(vs[0], 4), speed_vs_fsdp2_low=round(vs[1], 4),
+                           speed_vs_fsdp2_high=round(vs[2], 4))
             plan = first.get("ac_plan", {})
             if plan.get("peak_bytes_planned") is not None:  # the planner's prediction, against the peak
                 planned = plan["peak_bytes_planned"] / MiB
@@ -284,9 +389,15 @@ def summarise(results: list, shapes: list, suite: Suite, flops: dict, peak_gflop
     return rows
 
 
-def check_targets(rows: list, suite: Suite) -> list:
-    """(target, verdict, figures): the engine targets (budget race, memory, floor) and `auto`'s on the targets
-    shape, and `selective`'s on every shape (docs/benchmarks.md lists them)."""
+def straddles(r, threshold: float) -> str:
+    """A note when a ratio's interval contains the target's threshold: the verdict rests on the point only."""
+    return " (the interval straddles the target)" if r and r[1] <= threshold <= r[2] else ""
+
+
+def check_targets(rows: list, suite: Suite, results: list) -> list:
+    """(target, verdict, figures): DeepSpeed against FSDP2 at equal policy and `selective` on every shape; the
+    budget race, memory and `auto` targets on the targets shape, the race reported on the others
+    (docs/benchmarks.md lists them). Verdicts are on the point estimates; each ratio carries its interval."""
     label = next((s.label for s in suite.shapes if s.model == suite.targets_shape), None)
     shape_rows = [r for r in rows if r["shape"] == label and "images_per_sec" in r]
     by = {r["config"]: r for r in shape_rows}
@@ -295,18 +406,27 @@ def check_targets(rows: list, suite: Suite) -> list:
     def fits(r, budget_mib):
         return r["peak_alloc_mib"] <= budget_mib
 
-    f_none, f_full = by.get(fsdp2("none").name), by.get(fsdp2("full").name)
-    if f_none and f_full:
-        budget = (f_none["peak_alloc_mib"] + f_full["peak_alloc_mib"]) / 2
-        ours = [r for r in shape_rows if r["engine"] == "deepspeed" and fits(r, budget)]
-        theirs = [r for r in shape_rows if r["engine"] == "fsdp2" and fits(r, budget)]
-        if ours and theirs:
-            a, b = max(ours, key=lambda r: r["images_per_sec"]), max(theirs, key=lambda r: r["images_per_sec"])
-            ratio = a["images_per_sec"] / b["images_per_sec"]
-            out.append(("Budget race: ours / best FSDP2 at a budget of %.0f MiB >= 1.15x" % budget,
-                        ratio >= 1.15, f"{ratio:.3f}x: {a['config']} {a['images_per_sec']:.2f} img/s at "
-                                       f"{a['peak_alloc_mib']:.0f} MiB vs {b['config']} {b['images_per_sec']:.2f} img/s "
-                                       f"at {b['peak_alloc_mib']:.0f} MiB"))
+    for e in engine_table(results, rows, suite):
+        speed, memory = e["speed"], e["memory"]
+        if not speed or not memory:
+            continue
+        out.append((f"Equal policy, {e['shape'].split(',')[0]}, {e['ours']['config']} against "
+                    f"{e['fsdp2']['config']}: images/s >= 0.98x, peak <= 1.00x",
+                    speed[0] >= 0.98 and memory[0] <= 1.0,
+                    f"images/s {fmt_ratio(speed)}{straddles(speed, 0.98)}; peak {fmt_ratio(memory)} "
+                    f"({e['ours']['peak_alloc_mib']:.0f} vs {e['fsdp2']['peak_alloc_mib']:.0f} MiB)"))
+    for e in race_table(results, rows, suite):
+        if not e["midpoint"] or not e["ours"]:
+            continue
+        r = e["ours_speed"]
+        checked = e["shape"] == label
+        out.append((f"Budget race, {e['shape'].split(',')[0]}: at {e['budget_mib']:.0f} MiB, our fastest that fits / "
+                    f"plain FSDP2's fastest that fits" + (" >= 1.10x" if checked else " (reported)"),
+                    r[0] >= 1.10 if checked else None,
+                    f"{fmt_ratio(r)}{straddles(r, 1.10) if checked else ''}: {e['ours']['config']} "
+                    f"{e['ours']['images_per_sec']:.2f} img/s at {e['ours']['peak_alloc_mib']:.0f} MiB vs "
+                    f"{e['fsdp2']['config']} {e['fsdp2']['images_per_sec']:.2f} img/s at "
+                    f"{e['fsdp2']['peak_alloc_mib']:.0f} MiB"))
     z3 = by.get("ZeRO-3 + none")
     if z3:
         fast = [r for r in shape_rows if r["engine"] == "deepspeed" and r["images_per_sec"] >= 0.9 * z3["images_per_sec"]]
@@ -315,29 +435,23 @@ def check_targets(rows: list, suite: Suite) -> list:
         out.append(("Memory: best-memory config at >= 0.9x ZeRO-3's images/s uses <= 0.7x its peak", ratio <= 0.7,
                     f"{best['config']}: {ratio:.3f}x the peak ({best['peak_alloc_mib']:.0f} vs "
                     f"{z3['peak_alloc_mib']:.0f} MiB) at {best['images_per_sec'] / z3['images_per_sec']:.3f}x the images/s"))
-    z3f = by.get("ZeRO-3 + full")
-    if z3f and f_full:
-        out.append(("Floor: ZeRO-3 + full peak <= FSDP2 + HF full AC peak",
-                    z3f["peak_alloc_mib"] <= f_full["peak_alloc_mib"],
-                    f"{z3f['peak_alloc_mib']:.0f} vs {f_full['peak_alloc_mib']:.0f} MiB (setup peaks "
-                    f"{z3f['setup_peak_mib']:.0f} vs {f_full['setup_peak_mib']:.0f} MiB)"))
-    for shape in suite.shapes:  # `selective` is held to its target on every shape
+    for shape in suite.shapes:  # `selective` is held to its target on every shape and engine
         of_shape = {r["config"]: r for r in rows if r["shape"] == shape.label and "images_per_sec" in r}
-        for stage in (1, 2, 3):
-            none, sel = of_shape.get(f"ZeRO-{stage} + none"), of_shape.get(f"ZeRO-{stage} + selective")
+        for engine in ("ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP2"):
+            none, sel = of_shape.get(f"{engine} + none"), of_shape.get(f"{engine} + selective")
             if none and sel and none["activation_mib"]:
                 cut = 1 - sel["activation_mib"] / none["activation_mib"]
-                slower = none["images_per_sec"] / sel["images_per_sec"] - 1
-                out.append((f"Selective, {shape.label.split(',')[0]}, ZeRO-{stage}: activation memory -40% or more "
-                            f"at <= 10% step time", cut >= 0.4 and slower <= 0.10,
+                step = speed_ratio(results, shape.label, none["config"], sel["config"])  # step time, sel / none
+                out.append((f"Selective, {shape.label.split(',')[0]}, {engine}: activation memory -40% or more "
+                            f"at <= 10% step time", cut >= 0.4 and step[0] <= 1.10,
                             f"activations {sel['activation_mib']:.0f} vs {none['activation_mib']:.0f} MiB "
-                            f"({-cut:+.1%}), step time {slower:+.1%}"))
+                            f"({-cut:+.1%}), step time {fmt_ratio(step)}x{straddles(step, 1.10)}"))
     for r in shape_rows:
         if not r["ac"].startswith("auto") or not r.get("budget_gib"):
             continue
         budget = r["budget_gib"] * 1024
-        fixed = [x for x in shape_rows if x["engine"] == "deepspeed" and x["zero_stage"] == r["zero_stage"]
-                 and not x["ac"].startswith("auto") and fits(x, budget)]
+        fixed = [x for x in shape_rows if (x["engine"], x["zero_stage"], x["reshard"]) == (r["engine"], r["zero_stage"],
+                 r["reshard"]) and not x["ac"].startswith(("auto", "hf:")) and fits(x, budget)]
         fastest = max(fixed, key=lambda x: x["images_per_sec"]) if fixed else None
         within = r["peak_alloc_mib"] <= 1.05 * budget
         speed = r["images_per_sec"] / fastest["images_per_sec"] if fastest else None
@@ -378,7 +492,8 @@ def environment(threads: int, gemm: list) -> dict:
             "gemm_samples": [round(g, 1) for g in gemm]}
 
 
-def write_markdown(path: str, suite_name: str, suite: Suite, rows: list, targets: list, env: dict, minutes: float):
+def write_markdown(path: str, suite_name: str, suite: Suite, rows: list, targets: list, env: dict, minutes: float,
+                   results: list):
     with open(path, "w") as f:
         f.write(f"# `{suite_name}` suite\n\n![throughput against peak memory](pareto.png)\n\n")
         f.write(f"{env['date']} | commit {env.get('git_commit', 'not recorded')} | {env['gpu'] or env['cpu']}, "
@@ -387,9 +502,32 @@ def write_markdown(path: str, suite_name: str, suite: Suite, rows: list, targets
                 f"{env['threads_per_rank']} threads | MFU peak {env['peak_gflops_per_rank']} GFLOP/s per rank "
                 f"({env['peak_source']}) | {suite.repeats} repeats in alternating order, {suite.timed_steps} timed steps "
                 f"each after {suite.profiled_steps} profiled and {suite.warmup_steps} warm-up ones | {minutes:.0f} min\n\n")
+        f.write("Ratios: the geometric mean over repeats of the ratio within each repeat, with a 95% bootstrap "
+                "interval over the repeats in brackets.\n\n")
         f.write("## Targets\n\n| target | met | measured |\n|---|---|---|\n")
         for name, ok, figures in targets:
-            f.write(f"| {name} | {'yes' if ok else '**missed**'} | {figures} |\n")
+            f.write(f"| {name} | {'-' if ok is None else 'yes' if ok else '**missed**'} | {figures} |\n")
+        f.write("\n## DeepSpeed against FSDP2 at the same checkpointing policy\n\nZeRO-3 against FSDP2 resharding "
+                "after the forward, ZeRO-2 against FSDP2 without; the same `apply_ac` wraps both engines' blocks.\n\n"
+                "| shape | policy | DeepSpeed | images/s | FSDP2 | images/s | speed ratio | peak MiB | FSDP2 peak | "
+                "memory ratio |\n|---|---|---|---|---|---|---|---|---|---|\n")
+        for e in engine_table(results, rows, suite):
+            o, t = e["ours"], e["fsdp2"]
+            f.write(f"| {e['shape'].split(',')[0]} | {e['policy']} | {o['config']} | {o['images_per_sec']:.2f} | "
+                    f"{t['config']} | {t['images_per_sec']:.2f} | {fmt_ratio(e['speed'])} | "
+                    f"{o['peak_alloc_mib']:.0f} | {t['peak_alloc_mib']:.0f} | {fmt_ratio(e['memory'])} |\n")
+        f.write("\n## The budget race: this project's fastest against plain FSDP2's fastest at each budget\n\n"
+                "Budgets: each plain FSDP2 configuration's peak and the midpoint (*) between FSDP2 + HF full AC's "
+                "and plain FSDP2's. Plain FSDP2: no checkpointing or Hugging Face's. Ours: DeepSpeed with this "
+                "project's checkpointing; *either engine*: this project's checkpointing under DeepSpeed or FSDP2.\n\n"
+                "| shape | budget MiB | plain FSDP2's fastest | images/s | DeepSpeed's fastest | images/s | ratio | "
+                "either engine's fastest | ratio |\n|---|---|---|---|---|---|---|---|---|\n")
+        for e in race_table(results, rows, suite):
+            t, o, x = e["fsdp2"], e["ours"], e["either"]
+            f.write(f"| {e['shape'].split(',')[0]} | {e['budget_mib']:.0f}{' *' if e['midpoint'] else ''} | "
+                    f"{t['config']} | {t['images_per_sec']:.2f} | "
+                    + (f"{o['config']} | {o['images_per_sec']:.2f} | {fmt_ratio(e['ours_speed'])}" if o else "none fits | |")
+                    + " | " + (f"{x['config']} | {fmt_ratio(e['either_speed'])}" if x else "none fits |") + " |\n")
         for shape in suite.shapes:
             f.write(f"\n## {shape.label}\n\n| configuration | images/s, median (min-max) | MFU | recompute | peak "
                     f"MiB/rank | planned peak (error) | setup peak | step peak | activations (+ whole weights) | "
@@ -421,12 +559,13 @@ def plot(path: str, suite: Suite, rows: list):
 
     shapes = [s for s in suite.shapes if any(r["shape"] == s.label and "images_per_sec" in r for r in rows)]
     fig, axes = plt.subplots(1, len(shapes), figsize=(7.5 * len(shapes), 5.5), squeeze=False)
-    colors = {"fsdp2": "tab:gray", 1: "tab:green", 2: "tab:blue", 3: "tab:purple"}
+    colors = {"fsdp2": "tab:gray", "ours-fsdp2": "tab:orange", 1: "tab:green", 2: "tab:blue", 3: "tab:purple"}
     for ax, shape in zip(axes[0], shapes):
         rs = [r for r in rows if r["shape"] == shape.label and "images_per_sec" in r]
         for r in rs:
-            c = colors["fsdp2" if r["engine"] == "fsdp2" else r["zero_stage"]]
-            marker = "s" if r["engine"] == "fsdp2" else "o"
+            plain = r["engine"] == "fsdp2" and (r["ac"] == "none" or r["ac"].startswith("hf:"))
+            c = colors[r["zero_stage"] if r["engine"] == "deepspeed" else "fsdp2" if plain else "ours-fsdp2"]
+            marker = "o" if r["engine"] == "deepspeed" else "s" if plain else "^"
             ax.errorbar(r["peak_alloc_mib"], r["images_per_sec"], fmt=marker, color=c, ms=6,
                         yerr=[[r["images_per_sec"] - r["images_per_sec_min"]],
                               [r["images_per_sec_max"] - r["images_per_sec"]]], capsize=2)
@@ -441,7 +580,7 @@ def plot(path: str, suite: Suite, rows: list):
                 line.append((x, y))
         ax.step(*zip(*line), where="post", color="black", lw=0.8, alpha=0.5)
         f_none = next((r for r in rs if r["config"] == fsdp2("none").name), None)
-        f_full = next((r for r in rs if r["config"] == fsdp2("full").name), None)
+        f_full = next((r for r in rs if r["config"] == fsdp2("hf:full").name), None)
         if f_none and f_full:
             ax.axvline((f_none["peak_alloc_mib"] + f_full["peak_alloc_mib"]) / 2, ls="--", color="tab:red", lw=0.8,
                        label="budget-race budget")
@@ -450,68 +589,68 @@ def plot(path: str, suite: Suite, rows: list):
         ax.set_ylabel(f"images/s ({suite.ranks} ranks), median, min-max")
         ax.set_title(shape.label, fontsize=9)
         ax.grid(alpha=0.3)
-    fig.suptitle("DeepSpeed ZeRO-1/2/3 (green/blue/purple) vs FSDP2 (grey squares): up and left is better",
+    fig.suptitle("DeepSpeed ZeRO-1/2/3 (green/blue/purple) vs plain FSDP2 (grey squares) and FSDP2 with this "
+                 "project's checkpointing (orange triangles): up and left is better",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
 
 
-# Reproduced "within noise", row by row (speed only as a ratio inside one invocation: docs/benchmarks.md). The
-# noise is the larger of a floor and the spread (max - min over median) of the configuration's own jobs in
-# either run, since some configurations' peaks vary from job to job by more than the floor.
-SPEED_NOISE = 0.05  # images/s relative to the run's own FSDP2 no-AC median
-PEAK_NOISE = 0.03  # peak allocated bytes
+# Reproduced, row by row: speed as each configuration's images/s over its own run's plain FSDP2 (paired within
+# repeats, with its bootstrap interval: the machine's speed drifts between invocations, the ratio does not), and
+# peak bytes, which do not depend on speed, directly. The peak's noise is the larger of a floor and the spread
+# (max - min over median) of the configuration's own jobs in either run.
+PEAK_NOISE = 0.03
 
 
 def compare(rows: list, reference: list) -> tuple:
     """Markdown lines comparing a rerun's rows with a reference run's, and the rows not reproduced.
 
-    Speed is compared as each configuration's median images/s over its own run's FSDP2 no-AC median (the
-    machine's speed drifts between invocations, the ratio does not); bytes and FLOPs, which do not depend on
-    speed, directly. An `auto` row's budget comes from its own run's measured FSDP2 peaks, so when the two
-    budgets differ its peak is compared relative to its budget (the row's claim is that it fits it).
+    A row is reproduced when its speed intervals against plain FSDP2 overlap in the two runs and its peaks
+    agree within the noise. An `auto` row's budget comes from its own run's measured FSDP2 peaks, so when the
+    two budgets differ its peak is compared relative to its budget (the row's claim is that it fits it).
     """
     def keyed(rs):
         return {(r["shape"], r["config"]): r for r in rs}
 
-    def baselines(rs):
-        return {r["shape"]: float(r["images_per_sec"]) for r in rs if r["config"] == "FSDP2 + no AC"}
-
     def spread(r, column):
         return (float(r[f"{column}_max"]) - float(r[f"{column}_min"])) / float(r[column])
 
+    def interval(r):
+        return float(r["speed_vs_fsdp2_low"]), float(r["speed_vs_fsdp2_high"])
+
     new, ref = keyed(rows), keyed(reference)
-    base_new, base_ref = baselines(rows), baselines(reference)
-    lines = ["| shape | config | images/s vs FSDP2 no-AC: reference -> rerun | change (noise) | peak MiB: reference "
-             "-> rerun | change (noise) | recompute FLOPs | reproduced |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | config | images/s vs plain FSDP2: reference -> rerun [95% intervals] | intervals overlap | "
+             "peak MiB: reference -> rerun | change (noise) | recompute FLOPs | reproduced |",
+             "|---|---|---|---|---|---|---|---|"]
     missed = []
     for key, r in new.items():
         old = ref.get(key)
-        if old is None or not r.get("images_per_sec") or not old.get("images_per_sec"):
+        if old is None or not r.get("speed_vs_fsdp2") or not old.get("speed_vs_fsdp2"):
             missed.append(key)
             lines.append(f"| {key[0][:12]} | {key[1]} | missing in one run | | | | | **no** |")
             continue
-        a = float(old["images_per_sec"]) / base_ref[key[0]]
-        b = float(r["images_per_sec"]) / base_new[key[0]]
-        speed_noise = max(SPEED_NOISE, spread(old, "images_per_sec"), spread(r, "images_per_sec"))
+        (a_lo, a_hi), (b_lo, b_hi) = interval(old), interval(r)
+        overlap = a_lo <= b_hi and b_lo <= a_hi
         peak_noise = max(PEAK_NOISE, spread(old, "peak_alloc_mib"), spread(r, "peak_alloc_mib"))
         pa, pb, what = float(old["peak_alloc_mib"]), float(r["peak_alloc_mib"]), ""
         if old.get("budget_gib") and r.get("budget_gib") and old["budget_gib"] != r["budget_gib"]:
             ga, gb = float(old["budget_gib"]) * 1024, float(r["budget_gib"]) * 1024
             what = f" (budgets {ga:.0f} -> {gb:.0f} MiB: peak/budget {pa / ga:.3f} -> {pb / gb:.3f})"
             pa, pb = pa / ga, pb / gb
-        ok = abs(b / a - 1) <= speed_noise and abs(pb / pa - 1) <= peak_noise
+        ok = overlap and abs(pb / pa - 1) <= peak_noise
         if not ok:
             missed.append(key)
         plan = f", plan {old['ac_plan']} -> {r['ac_plan']}" if r.get("ac_plan") != old.get("ac_plan") else ""
         same_flops = "same" if old["recompute_flops_frac"] == r["recompute_flops_frac"] else "differ"
-        lines.append(f"| {key[0][:12]} | {key[1]}{plan} | {a:.3f} -> {b:.3f} | {b / a - 1:+.1%} ({speed_noise:.0%}) | "
+        lines.append(f"| {key[0][:12]} | {key[1]}{plan} | {float(old['speed_vs_fsdp2']):.3f} [{a_lo:.3f}, {a_hi:.3f}] "
+                     f"-> {float(r['speed_vs_fsdp2']):.3f} [{b_lo:.3f}, {b_hi:.3f}] | {'yes' if overlap else 'no'} | "
                      f"{float(old['peak_alloc_mib']):.0f} -> {float(r['peak_alloc_mib']):.0f}{what} | "
                      f"{pb / pa - 1:+.1%} ({peak_noise:.0%}) | {same_flops} | {'yes' if ok else '**no**'} |")
-    head = (f"{len(new) - len(missed)} of {len(new)} configurations reproduced: speed relative to the same run's "
-            f"FSDP2 no-AC and peak memory each within its noise (in brackets: the larger of {SPEED_NOISE:.0%} "
-            f"/ {PEAK_NOISE:.0%} and the spread of the configuration's jobs in either run).")
+    head = (f"{len(new) - len(missed)} of {len(new)} configurations reproduced: the 95% intervals of images/s "
+            f"relative to the same run's plain FSDP2 overlap, and the peaks agree within their noise (in brackets: "
+            f"the larger of {PEAK_NOISE:.0%} and the spread of the configuration's jobs in either run).")
     return [head, ""] + lines, missed
 
 
@@ -586,7 +725,7 @@ def report(out_dir: str, suite_name: str, suite: Suite, results: list, gemm: lis
     env = {k: v for k, v in saved_env.items() if k not in ("suite", "minutes", "model_flops_per_image")} \
         if saved_env else environment(threads, gemm)
     rows = summarise(results, suite.shapes, suite, flops, env["peak_gflops_per_rank"])
-    targets = check_targets(rows, suite)
+    targets = check_targets(rows, suite, results)
     columns = list(dict.fromkeys(k for r in rows for k in r))
     with open(os.path.join(out_dir, "results.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
@@ -595,7 +734,7 @@ def report(out_dir: str, suite_name: str, suite: Suite, results: list, gemm: lis
     with open(os.path.join(out_dir, "environment.json"), "w") as f:
         json.dump(dict(env, suite=suite_name, minutes=round(minutes, 1),
                        model_flops_per_image={k: v for k, v in flops.items()}), f, indent=1)
-    write_markdown(os.path.join(out_dir, "results.md"), suite_name, suite, rows, targets, env, minutes)
+    write_markdown(os.path.join(out_dir, "results.md"), suite_name, suite, rows, targets, env, minutes, results)
     plot(os.path.join(out_dir, "pareto.png"), suite, rows)
     from plan import write_validation
 

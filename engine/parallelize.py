@@ -84,20 +84,22 @@ def parallelize(model: torch.nn.Module, cfg: Config, ds_config: dict, world_size
     The order is fixed: checkpointing wraps the bare blocks (it profiles the model as defined), ZeRO then hooks
     whatever the blocks have become, and torch.compile traces the model with ZeRO's hooks in place.
     """
-    ac_plan = apply_ac(model, cfg, ds_config, world_size, precision, device_type, log)
+    fixed = zero_memory_bytes(sum(compat.param_numel(p) for p in model.parameters()), cfg.zero_stage, world_size,
+                              precision, ds_config)
+    ac_plan = apply_ac(model, cfg, fixed, precision, device_type, log)
     engine = apply_zero(model, cfg, ds_config, ac_plan)
     apply_compile(engine, cfg, log)
     return engine, ac_plan
 
 
-def apply_ac(model, cfg, ds_config, world_size, precision, device_type, log) -> dict:
-    """Activation checkpointing per `cfg.ac`; `auto` budgets the activations against what ZeRO holds. The
-    profile is the planner's: the run's model on the meta device, in the run's precision, with the attention
-    kernel of this device, so that no weight is gathered or allocated for it (engine/planner.py)."""
+def apply_ac(model, cfg, fixed, precision, device_type, log) -> dict:
+    """Activation checkpointing per `cfg.ac`; `auto` budgets the activations against `fixed`, what the engine
+    holds beside them (engine/memory.py: ZeRO's, or FSDP2's for the benchmark's baseline, which wraps its
+    blocks through this function too). The profile is the planner's: the run's model on the meta device, in
+    the run's precision, with the attention kernel of this device, so that no weight is gathered or allocated
+    for it (engine/planner.py)."""
     from engine.planner import profile
 
-    fixed = zero_memory_bytes(sum(compat.param_numel(p) for p in model.parameters()), cfg.zero_stage, world_size,
-                              precision, ds_config)
     measured = profile(cfg, device_type, DTYPES[precision])[0]
     return apply_activation_checkpointing(model, cfg.ac, device_type, fixed=fixed, log=log, profile=measured)
 
