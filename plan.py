@@ -29,9 +29,13 @@ def cluster_args(argv):
     parser.add_argument("--device_tflops", type=float, help="dense TFLOP/s per device (overrides the table)")
     parser.add_argument("--host_memory_gb", type=float, help="host memory per node in GiB, for ZeRO-Offload "
                                                               "(overrides the table)")
+    parser.add_argument("--device_mem_gbs", type=float, help="GB/s of device memory (overrides the table; cpu: "
+                                                              "measured, 10 if not given)")
     parser.add_argument("--intra_gbs", type=float, help="GB/s per direction per device within a node")
     parser.add_argument("--inter_gbs", type=float, help="GB/s per direction per device between nodes")
     parser.add_argument("--mfu", type=float, help="fraction of peak FLOP/s the step's matmuls reach (0.4)")
+    parser.add_argument("--mbu", type=float, help="fraction of the memory bandwidth memory-bound operators reach "
+                                                  "(0.7)")
     parser.add_argument("--overlap", type=float, default=0.0, help="fraction of communication hidden (0)")
     parser.add_argument("--global_batch", type=int, help="search every configuration with this global batch")
     parser.add_argument("--top", type=int, default=10, help="configurations listed by a search")
@@ -51,7 +55,7 @@ def device_of(a):
         missing = [k for k in ("device_tflops", "device_memory_gb") if getattr(a, k) is None]
         if missing:
             raise ConfigError(f"device cpu: give {' and '.join('--' + k for k in missing)} (measured figures)")
-        base = Device("cpu", 0, 0, 10, 1, 0.0)
+        base = Device("cpu", 0, 0, 10, 1, 0.0, mem_gbs=10.0)
     elif a.device in DEVICES:
         base = DEVICES[a.device]
     else:
@@ -59,7 +63,8 @@ def device_of(a):
                           f"--device_tflops and --device_memory_gb)")
     return replace(base, flops=a.device_tflops * 1e12 if a.device_tflops else base.flops,
                    memory_gib=a.device_memory_gb or base.memory_gib, intra_gbs=a.intra_gbs or base.intra_gbs,
-                   inter_gbs=a.inter_gbs or base.inter_gbs, host_memory_gib=a.host_memory_gb or base.host_memory_gib)
+                   inter_gbs=a.inter_gbs or base.inter_gbs, host_memory_gib=a.host_memory_gb or base.host_memory_gib,
+                   mem_gbs=a.device_mem_gbs or base.mem_gbs)
 
 
 def gib(n: float) -> str:
@@ -77,7 +82,9 @@ def describe(e: dict) -> str:
                f"{gib(e['capacity_bytes'])} usable: {'fits' if e['fits'] else 'DOES NOT FIT'}",
              f"step: {e['step_s'] * 1e3:.1f} ms = compute {e['compute_s'] * 1e3:.1f} ms "
              f"({e['flops_per_step_per_rank'] / 1e12:.2f} TFLOP per rank, recompute {e['recompute_fraction']:.1%}, at "
-             f"{e['assumptions']['mfu']:.0%} of peak) + communication {e['comm_s'] * 1e3:.1f} ms "
+             f"{e['assumptions']['mfu']:.0%} of peak; of it {e['memory_bound_s'] * 1e3:.1f} ms moving "
+             f"{e['memory_bytes_per_step_per_rank'] / 1e9:.2f} GB through memory-bound operators at "
+             f"{e['assumptions']['mbu']:.0%} of {e['assumptions']['mem_gbs']:g} GB/s) + communication {e['comm_s'] * 1e3:.1f} ms "
              f"({e['comm_bytes_per_step_per_rank'] / 1e9:.2f} GB per rank, {e['comm_bytes_between_nodes'] / 1e9:.2f} GB of it "
              f"between nodes at {e['assumptions']['inter_gbs']:g} GB/s, within at {e['assumptions']['intra_gbs']:g} GB/s; "
              f"{e['assumptions']['overlap']:.0%} hidden)"
@@ -161,12 +168,12 @@ def write_plan(best: dict, cfg, ds_config: dict, out: str, a):
 
 def validation_table(rows: list) -> str:
     """plan.py's predictions against a benchmark suite's measurements, as a markdown table and a summary line."""
-    lines = ["| shape | configuration | peak MiB predicted | measured | error | step s predicted | measured | error |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | configuration | peak MiB predicted | measured | error | step s predicted (of it memory-bound) | "
+             "measured | error |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['config']} | {r['peak_predicted'] / 2**20:.1f} | "
-                     f"{r['peak_measured'] / 2**20:.1f} | {r['peak_error']:+.1%} | {r['step_predicted']:.3f} | "
-                     f"{r['step_measured']:.3f} | {r['step_error']:+.1%} |")
+                     f"{r['peak_measured'] / 2**20:.1f} | {r['peak_error']:+.1%} | {r['step_predicted']:.3f} "
+                     f"({r['memory_bound_s']:.3f}) | {r['step_measured']:.3f} | {r['step_error']:+.1%} |")
     if not rows:
         return "no DeepSpeed rows to compare"
     worst_peak = max(rows, key=lambda r: abs(r["peak_error"]))
@@ -184,7 +191,9 @@ def write_validation(results_dir: str, suite_name: str):
     with open(os.path.join(results_dir, "planner.md"), "w") as f:
         f.write(f"# {suite_name}: plan.py's predictions against these measurements\n\n"
                 f"`python plan.py --validate {os.path.relpath(results_dir)}/results.csv`; on CPU the device's peak is "
-                f"the GEMM rate measured in the same run, taken at 100%.\n\n{validation_table(rows)}\n")
+                f"the GEMM rate measured in the same run, taken at 100%, and memory-bound operators run at "
+                + (f"{rows[0]['mem_gbs']:.1f} GB/s per rank (an elementwise add, {rows[0]['mem_gbs_source']})"
+                   if rows else "the measured bandwidth") + f".\n\n{validation_table(rows)}\n")
 
 
 def print_validation(a) -> int:
@@ -204,7 +213,7 @@ def main(argv=None):
     a, rest = cluster_args(argv)
     try:
         from engine.ds_config import build_ds_config
-        from engine.planner import DEFAULT_MFU, DEVICES, estimate, search, smallest_cluster
+        from engine.planner import DEFAULT_MBU, DEFAULT_MFU, DEVICES, estimate, search, smallest_cluster
         from models.registry import model_config
 
         if a.list_devices:
@@ -226,7 +235,7 @@ def main(argv=None):
         mfu = a.mfu or DEFAULT_MFU
         if a.global_batch:
             found = search(cfg, ds_for, precision, a.world_size, a.ranks_per_node, device, a.global_batch, mfu,
-                           a.overlap)
+                           a.overlap, mbu=a.mbu or DEFAULT_MBU)
             if not found:
                 smallest, with_offload = smallest_cluster(cfg, ds_for, precision, a.ranks_per_node, device)
                 raise ConfigError(
@@ -252,7 +261,8 @@ def main(argv=None):
                 if not a.json:
                     print(f"written: {a.out}/config.yaml, ds_config.json, plan.json, launch.sh")
             return 0
-        e = estimate(cfg, ds_for(cfg), precision, a.world_size, a.ranks_per_node, device, mfu, a.overlap)
+        e = estimate(cfg, ds_for(cfg), precision, a.world_size, a.ranks_per_node, device, mfu, a.overlap,
+                     mbu=a.mbu or DEFAULT_MBU)
         print(json.dumps(e, indent=1) if a.json else describe(e))
         if a.picture:
             draw([e], a.picture, f"{cfg.model}, {a.world_size} x {device.name}")

@@ -159,13 +159,20 @@ class DeepSpeedStep:
         self.engine.step()
 
 
-def memory_phases(profiler) -> dict:
+def trace_name(spec: Spec) -> str:
+    """A configuration's prefix for its trace files: engine, stage or resharding, policy."""
+    how = f"zero{spec.zero}" if spec.engine == "deepspeed" else "reshard" if spec.reshard else "noreshard"
+    return f"{spec.engine}-{how}-{spec.ac.replace(':', '_')}"
+
+
+def memory_phases(profiler, name: str) -> dict:
     """Per marked phase ("bench/..." record_function ranges): bytes allocated when it starts, its peak, and
     what it leaves allocated, from the profiler's "[memory]" events (checkpointing.allocation_curve: every
     allocation since the profiler started, i.e. before the model existed, less the frees)."""
     events = trace_events(profiler)
     if os.environ.get("BENCH_TRACE_DIR"):  # keep the rank's trace, to see what holds the memory
-        with open(os.path.join(os.environ["BENCH_TRACE_DIR"], f"trace_rank{dist.get_rank()}.json"), "w") as f:
+        with open(os.path.join(os.environ["BENCH_TRACE_DIR"], f"{name}-memory_rank{dist.get_rank()}.json"),
+                  "w") as f:
             json.dump(events, f)
     memory = allocation_curve(events)
     phases = {}
@@ -240,7 +247,8 @@ def main():
                 reserved = torch.cuda.max_memory_reserved()
         counter = compat.flop_counter() if step == flop_step else contextlib.nullcontext()
         traced = step in traced_steps and step > spec.profiled_steps  # not under the memory profiler
-        timeline = profile(activities=[ProfilerActivity.CPU]) if traced else contextlib.nullcontext()
+        timeline = profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) if traced \
+            else contextlib.nullcontext()
         start = time.perf_counter()
         with timeline, counter, record_function(f"bench/step{step}"):
             if step == spec.profiled_steps:
@@ -252,7 +260,7 @@ def main():
             step_fn.backward_step(loss)
         if traced:
             timeline.export_chrome_trace(os.path.join(os.environ["BENCH_TRACE_DIR"],
-                                                      f"step{step}_rank{dist.get_rank()}.json"))
+                                                      f"{trace_name(spec)}-step{step}_rank{dist.get_rank()}.json"))
         if step == flop_step:
             hardware_flops = counter.get_total_flops()
         loss = loss.detach()
@@ -263,7 +271,7 @@ def main():
     if cuda:  # activation and per-step figures need the CPU profiler's timeline: not recorded on GPU
         figures = [step_peak, setup_peak, reserved, 0, 0]
     else:
-        phases = memory_phases(profiler)
+        phases = memory_phases(profiler, trace_name(spec))
         steps = [phases[f"step{i}"] for i in range(1, spec.profiled_steps + 1)]
         last = steps[-1]
         # activations: what the forward left allocated for the backward, less the whole weights among it

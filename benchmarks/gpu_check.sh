@@ -6,8 +6,10 @@
 # 3. the activation-checkpointing policies under ZeRO-3 in bf16 (none, selective, full, and offload, which
 #    needs a GPU), fp16 with its loss scaler under ZeRO-2, and ZeRO++'s quantized communication
 #    (ds_configs/zero3pp.json, CUDA kernels): 20 steps each, the last loss beside `none`'s;
-# 4. the gpu-small benchmark suite (ViT-L/16, one GPU, one repeat): a check of the harness, not a result; its
-#    planner.md holds plan.py's bf16 predictions against torch.cuda.max_memory_allocated for each row.
+# 4. the gpu-small benchmark suite (ViT-L/16, one GPU, one repeat: FSDP2 and ZeRO-3 at none, selective and full,
+#    ZeRO-2 at none and selective): a check of the harness, not a result; its planner.md holds plan.py's bf16
+#    predictions against torch.cuda.max_memory_allocated for each row, and traces/ a torch.profiler CUDA trace
+#    of one warm step per configuration.
 # Each step has its own time limit, so one that hangs leaves the others' figures.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -63,7 +65,10 @@ for ac in none selective; do policy fp16 2 "$ac"; done
 policy bf16 3 none ds_configs/zero3pp.json
 
 echo "== 4. the gpu-small benchmark suite"
-run 270 $PY benchmarks/train_bench.py --suite gpu-small --out "$OUT/suite" > "$OUT/suite.log" 2>&1
+# each job's warm-up step (step 5) traced with CUDA activity, one file per configuration, for diagnosis
+mkdir -p "$OUT/traces"
+BENCH_TRACE_DIR="$OUT/traces" BENCH_TRACE_STEP=5 run 270 $PY benchmarks/train_bench.py --suite gpu-small \
+  --out "$OUT/suite" > "$OUT/suite.log" 2>&1
 grep -v "it/s\]\|s/it\]" "$OUT/suite.log" | tail -40
 echo "-- plan.py's predictions (bf16) against the suite's torch.cuda peaks"
 tail -n +5 "$OUT/suite/planner.md" 2>/dev/null || echo "no planner.md"

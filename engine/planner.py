@@ -28,22 +28,31 @@ class Device:
     op_overhead_s: float = 10e-6  # host time to launch one operator (eager PyTorch): a floor on small micro-batches
     host_gbs: float = 25.0  # GB/s per direction between the device and host memory (ZeRO-Offload's traffic)
     host_memory_gib: float = 1024.0  # host memory of a node, for what ZeRO-Offload keeps there
+    mem_gbs: float = 2000.0  # GB/s of the device's memory: what memory-bound operators are limited by
 
 
 # Vendors' data sheets: dense bf16 tensor-core FLOP/s (SXM parts), memory as nvidia-smi reports it, NVLink
 # bandwidth per direction, and one 200 Gb/s (A100 systems) or 400 Gb/s (H100 and later) NIC per GPU.
 # Host side: PCIe 4.0 x16 (A100) or 5.0 x16 (H100 and later) at about 80% of its per-direction rate, and the host
 # memory of the vendor's 8-GPU system (DGX A100 40/80 GB: 1/2 TB; DGX H100, H200: 2 TB; DGX B200: 4 TB).
+# Memory bandwidth: HBM2 (A100 40 GB: 1.56 TB/s), HBM2e (A100 80 GB: 2.04), HBM3 (H100: 3.35), HBM3e (H200: 4.8,
+# B200: 8).
 DEVICES = {d.name: d for d in (
-    Device("a100-40gb", 312e12, 40.0, 300, 25, host_gbs=25, host_memory_gib=1024),
-    Device("a100-80gb", 312e12, 80.0, 300, 25, host_gbs=25, host_memory_gib=2048),
-    Device("h100-80gb", 989e12, 79.6, 450, 50, host_gbs=50, host_memory_gib=2048),
-    Device("h200", 989e12, 140.4, 450, 50, host_gbs=50, host_memory_gib=2048),
-    Device("b200", 2250e12, 179.1, 900, 50, host_gbs=50, host_memory_gib=4096),
+    Device("a100-40gb", 312e12, 40.0, 300, 25, host_gbs=25, host_memory_gib=1024, mem_gbs=1555),
+    Device("a100-80gb", 312e12, 80.0, 300, 25, host_gbs=25, host_memory_gib=2048, mem_gbs=2039),
+    Device("h100-80gb", 989e12, 79.6, 450, 50, host_gbs=50, host_memory_gib=2048, mem_gbs=3350),
+    Device("h200", 989e12, 140.4, 450, 50, host_gbs=50, host_memory_gib=2048, mem_gbs=4800),
+    Device("b200", 2250e12, 179.1, 900, 50, host_gbs=50, host_memory_gib=4096, mem_gbs=8000),
 )}
 RESERVED_GIB = 2.0  # per device, outside the allocator: the CUDA context, NCCL's buffers, the allocator's slack
 ALLOCATOR_MARGIN = 0.05  # of the rest, left for fragmentation
 DEFAULT_MFU = 0.4  # fraction of the device's peak the model's matmuls reach (the ViT-22B paper reports 0.55)
+DEFAULT_MBU = 0.7  # fraction of the memory bandwidth the memory-bound operators reach on a GPU (an assumption)
+# Bytes the optimizer step reads and writes per parameter of the rank's partition, fp32: torch's AdamW over the
+# flat partition reads and writes 20 values per parameter (weight decay 2, first moment 3, second moment 5, its
+# square root, division and epsilon 6, the update 4); ZeRO adds the gradient norm for clipping (1), flattening
+# the gradients (2) and copying the updated weights back (2).
+OPTIMIZER_BYTES_PER_PARAM = 25 * 4
 # ZeRO-Offload's optimizer step on the host: parameters updated per second by one node's CPU Adam, all its ranks
 # together. An assumption for a two-socket server (docs/planner.md gives what one core measured here).
 HOST_ADAM_PARAMS_PER_S = 2e9
@@ -108,8 +117,14 @@ def comm_bytes(n_params: int, zero_stage: int, grad_accum: int, world_size: int,
 
 
 def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, ranks_per_node: int, device: Device,
-             mfu: float = DEFAULT_MFU, overlap: float = 0.0, measured=None) -> dict:
-    """Per-rank peak memory by part and step time of one configuration. `measured`: a profile() result to reuse."""
+             mfu: float = DEFAULT_MFU, overlap: float = 0.0, measured=None, mbu: float = DEFAULT_MBU) -> dict:
+    """Per-rank peak memory by part and step time of one configuration. `measured`: a profile() result to reuse.
+
+    The step's compute is its matmuls' FLOPs at `mfu` of the device's peak, plus what its memory-bound
+    operators (norms, activations, softmax, adds, copies, the optimizer) read and write at `mbu` of its memory
+    bandwidth: the forward's traffic as profiled, twice that for the backward (each such operator's backward
+    reads the output gradient and its saved inputs and writes the input gradient), the recomputed blocks'
+    cheap operators again, and the optimizer step over the rank's partition."""
     prof, n_params, largest = measured or profile(cfg, _target(device), DTYPES[precision])
     fwd_flops, n_ops = prof.forward_flops / cfg.micro_batch_size, prof.ops
     parts = zero_memory_parts(n_params, cfg.zero_stage, world_size, precision, ds_config)
@@ -122,10 +137,17 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
     images = cfg.micro_batch_size * cfg.grad_accum_steps
     recompute = figures["recompute_matmul_flops"] / cfg.micro_batch_size  # per image
     flops = images * (3 * fwd_flops + recompute)
-    # a micro-batch takes its FLOPs' time, or, if longer, the host's time to launch its operators (the backward
-    # about twice the forward's), which the device cannot outrun
-    micro_s = max(flops / cfg.grad_accum_steps / (device.flops * mfu), 3 * n_ops * device.op_overhead_s)
-    compute_s = micro_s * cfg.grad_accum_steps
+    # memory traffic of a micro-batch: forward, backward, and the recomputed cheap ops (read twice, written once)
+    rerun = sum(p.cheap_elems for p, how in zip(prof, plan) if how in ("full", "selective"))
+    moved = 3 * prof.moved_bytes + 3 * rerun * weight_bytes
+    optimizer_moved = OPTIMIZER_BYTES_PER_PARAM * n_params / world_size if not offloaded(cfg.zero_stage, ds_config)[0] \
+        else 0
+    memory_s = (moved * cfg.grad_accum_steps + optimizer_moved) / (device.mem_gbs * 1e9 * mbu)
+    # a micro-batch takes its FLOPs' and its memory traffic's time, or, if longer, the host's time to launch its
+    # operators (the backward about twice the forward's), which the device cannot outrun
+    micro_s = max(flops / cfg.grad_accum_steps / (device.flops * mfu) + moved / (device.mem_gbs * 1e9 * mbu),
+                  3 * n_ops * device.op_overhead_s)
+    compute_s = micro_s * cfg.grad_accum_steps + optimizer_moved / (device.mem_gbs * 1e9 * mbu)
     zero = ds_config.get("zero_optimization", {})
     intra, inter = comm_bytes(n_params, cfg.zero_stage, cfg.grad_accum_steps, world_size, ranks_per_node,
                               weight_bytes, zero)
@@ -163,9 +185,10 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
         "flops_per_step_per_rank": flops, "forward_flops_per_image": fwd_flops,
         "recompute_fraction": figures["recompute_flops_fraction"],
         "comm_bytes_per_step_per_rank": sent, "comm_bytes_between_nodes": inter, "zeropp": bool(zeropp),
-        "ds_config_template": cfg.ds_config, "compute_s": compute_s, "comm_s": comm_s, "step_s": step_s,
+        "ds_config_template": cfg.ds_config, "compute_s": compute_s, "memory_bound_s": memory_s, "comm_s": comm_s,
+        "step_s": step_s, "memory_bytes_per_step_per_rank": moved * cfg.grad_accum_steps + optimizer_moved,
         "images_per_s": images * world_size / step_s,
-        "assumptions": {"mfu": mfu, "overlap": overlap, "intra_gbs": device.intra_gbs, "inter_gbs": device.inter_gbs,
+        "assumptions": {"mfu": mfu, "mbu": mbu, "mem_gbs": device.mem_gbs, "overlap": overlap, "intra_gbs": device.intra_gbs, "inter_gbs": device.inter_gbs,
                         "reserved_gib": RESERVED_GIB, "allocator_margin": ALLOCATOR_MARGIN,
                         "op_overhead_s": device.op_overhead_s, "ops_per_forward": n_ops,
                         "host_gbs": device.host_gbs, "host_adam_params_per_s": HOST_ADAM_PARAMS_PER_S},
@@ -178,7 +201,8 @@ def _blocks_of(prof):
 
 
 def search(cfg: Config, ds_config_for, precision: str, world_size: int, ranks_per_node: int, device: Device,
-           global_batch: int, mfu: float = DEFAULT_MFU, overlap: float = 0.0, policies=None) -> list:
+           global_batch: int, mfu: float = DEFAULT_MFU, overlap: float = 0.0, policies=None,
+           mbu: float = DEFAULT_MBU) -> list:
     """Every (ZeRO stage, micro-batch, accumulation, ac policy) whose global batch is `global_batch` and whose
     peak fits, fastest first. `ds_config_for(cfg)`: the DeepSpeed config of a candidate."""
     if global_batch % world_size:
@@ -200,7 +224,7 @@ def search(cfg: Config, ds_config_for, precision: str, world_size: int, ranks_pe
                 candidate = replace(cfg, zero_stage=stage, micro_batch_size=micro,
                                     grad_accum_steps=per_rank // micro, ac=ac, ds_config=template)
                 est = estimate(candidate, ds_config_for(candidate), precision, world_size, ranks_per_node, device,
-                               mfu, overlap, scaled)
+                               mfu, overlap, scaled, mbu)
                 if est["fits"]:
                     found.append(est)
     # equal times (compute-bound either way): fewer accumulation steps, then the lower peak
@@ -235,6 +259,7 @@ def validate(results_csv: str, mfu: float = 1.0, intra_gbs: float = 10.0) -> lis
     import statistics
 
     from benchmarks.bench_worker import Spec, run_config
+    from benchmarks.train_bench import memory_gbs
     from engine.ds_config import build_ds_config
 
     folder = os.path.dirname(os.path.abspath(results_csv))
@@ -244,6 +269,8 @@ def validate(results_csv: str, mfu: float = 1.0, intra_gbs: float = 10.0) -> lis
         runs = [json.loads(line) for line in f]
     with open(os.path.join(folder, "environment.json")) as f:
         env = json.load(f)
+    # the memory bandwidth measured in the same run, or (older runs) now, on this machine
+    mem_gbs = env.get("mem_gbs_per_rank") or statistics.median(memory_gbs(env.get("threads_per_rank", 1)))
     out = []
     for row in rows:
         jobs = [r for r in runs if r["shape"] == row["shape"] and r["run"] == row["config"]]
@@ -255,14 +282,18 @@ def validate(results_csv: str, mfu: float = 1.0, intra_gbs: float = 10.0) -> lis
         precision = "fp32" if device_type == "cpu" else "bf16"
         # the CPU runs each operator as it is dispatched: its launch cost is inside the measured FLOP rate; the
         # memory (1e6 GiB) is not the question here
-        device = Device(device_type, env["peak_gflops_per_rank"] * 1e9, 1e6, intra_gbs, intra_gbs, 0.0)
+        device = Device(device_type, env["peak_gflops_per_rank"] * 1e9, 1e6, intra_gbs, intra_gbs, 0.0,
+                        mem_gbs=mem_gbs)
         hidden = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size).hidden_size
-        est = estimate(cfg, build_ds_config(cfg, hidden, world, precision), precision, world, world, device, mfu)
+        est = estimate(cfg, build_ds_config(cfg, hidden, world, precision), precision, world, world, device, mfu,
+                       mbu=1.0)
         step_s = statistics.median(statistics.median(r["step_seconds"]) for r in jobs)
         measured_peak = float(row["peak_alloc_mib"]) * 2**20
         out.append({"shape": row["shape"], "config": row["config"], "zero_stage": cfg.zero_stage, "ac": cfg.ac,
                     "peak_predicted": est["peak_bytes"], "peak_measured": measured_peak,
                     "peak_error": est["peak_bytes"] / measured_peak - 1,
                     "step_predicted": est["step_s"], "step_measured": step_s, "step_error": est["step_s"] / step_s - 1,
-                    "compute_s": est["compute_s"], "comm_s": est["comm_s"]})
+                    "compute_s": est["compute_s"], "memory_bound_s": est["memory_bound_s"], "comm_s": est["comm_s"],
+                    "mem_gbs": mem_gbs, "mem_gbs_source": "measured in the run" if env.get("mem_gbs_per_rank")
+                    else "measured at validation"})
     return out

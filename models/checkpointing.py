@@ -140,12 +140,18 @@ class BlockProfile:
 COPY_OPS = {aten.clone, TO_COPY, aten.mul, aten.div}
 
 
+# ops that move no data: a view, or metadata only
+VIEW_OPS = (aten.view, UNSAFE_VIEW, aten.t, aten.transpose, aten.permute, aten.expand, aten.reshape, aten.detach,
+            aten.slice, aten.select)
+
+
 class _OpRecorder(compat.dispatch_mode_class()):
     """Bytes of compute-op outputs and element counts of the other ops, per active block."""
 
     def __init__(self):
         super().__init__()
         self.block, self.compute_outputs, self.cheap_ops, self.packs, self.ops = None, {}, {}, {}, 0
+        self.moved = 0  # bytes the memory-bound ops (all but the compute ops and views) read and write
         # storage address -> (block, index of the compute op) it was copied or rescaled from
         self.copied_from = {}
         # Compute outputs (and copies of them) are matched to saved tensors by storage address; holding them
@@ -156,6 +162,10 @@ class _OpRecorder(compat.dispatch_mode_class()):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self.ops += not func.is_view
+        if func not in COMPUTE_OPS and not func.is_view and compat.op_packet(func) not in VIEW_OPS:
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            ins = [a for arg in args for a in (arg if isinstance(arg, (tuple, list)) else (arg,))]
+            self.moved += sum(t.numel() * t.element_size() for t in (*ins, *outs) if isinstance(t, torch.Tensor))
         if self.block is not None:
             outs = out if isinstance(out, (tuple, list)) else (out,)
             tensors = [t for t in outs if isinstance(t, torch.Tensor)]
@@ -167,8 +177,7 @@ class _OpRecorder(compat.dispatch_mode_class()):
                 ops = self.compute_outputs.setdefault(self.block, [])
                 self.copied_from[compat.storage_id(tensors[0])] = (self.block, len(ops))
                 ops.append((compat.storage_id(tensors[0]), storage.nbytes(), flops, packs))
-            elif compat.op_packet(func) not in (aten.view, UNSAFE_VIEW, aten.t, aten.transpose, aten.permute,
-                                              aten.expand, aten.reshape, aten.detach, aten.slice, aten.select):
+            elif compat.op_packet(func) not in VIEW_OPS:
                 self.cheap_ops.setdefault(self.block, []).append((sum(t.numel() for t in tensors), packs))
                 sources = [a for a in args if isinstance(a, torch.Tensor)]
                 if compat.op_packet(func) in COPY_OPS and len(sources) == 1 and tensors:
@@ -182,15 +191,18 @@ class _OpRecorder(compat.dispatch_mode_class()):
 class Profile(list):
     """The blocks' profiles, in forward order, and the activation bytes saved outside any block (the stem,
     Swin's patch merging, the final norm and head), which no policy changes; the whole forward's FLOPs, and the
-    operators it dispatches (views excepted: each of the others is at least one kernel launch on a GPU)."""
+    operators it dispatches (views excepted: each of the others is at least one kernel launch on a GPU), and the
+    bytes its memory-bound operators (norms, activations, softmax, adds, copies) read and write."""
     bytes_outside: int = 0
     forward_flops: int = 0
     ops: int = 0
+    moved_bytes: int = 0
 
     def scaled(self, factor: float) -> "Profile":
         out = Profile(p.scaled(factor) for p in self)
         out.bytes_outside = round(self.bytes_outside * factor)
         out.forward_flops, out.ops = round(self.forward_flops * factor), self.ops
+        out.moved_bytes = round(self.moved_bytes * factor)
         return out
 
 
@@ -244,7 +256,7 @@ def profile_blocks(model, images: torch.Tensor) -> Profile:
         recorder.alive.clear()
     per_module = flops.get_flop_counts()
     out = Profile()
-    out.forward_flops, out.ops = flops.get_total_flops(), recorder.ops
+    out.forward_flops, out.ops, out.moved_bytes = flops.get_total_flops(), recorder.ops, recorder.moved
     in_blocks = {ptr for b in blocks for ptr in saved[b.name]}
     out.bytes_outside = sum(n for ptr, n in saved.get(None, {}).items() if ptr not in in_blocks)
     for b in blocks:

@@ -23,6 +23,9 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 VIT_SIZES = {
     "vit-debug": (32, 2, 2, 64, 2),  # the tiny model every integration test uses
     "vit-digits": (96, 6, 4, 192, 2),  # the main job: small enough for 900 CPU steps in minutes
+    # ViT-L's depth at a width of 64: a step is almost all Python, dispatch and collectives (the host-overhead
+    # benchmark), the per-block work that starves a GPU at ViT-L scale
+    "vit-narrow": (64, 24, 2, 256, 4),
     "vit-tiny": (192, 12, 3, 768, 16),
     "vit-small": (384, 12, 6, 1536, 16),
     "vit-base": (768, 12, 12, 3072, 16),

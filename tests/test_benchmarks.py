@@ -71,3 +71,64 @@ def test_worker_refuses_a_job_without_timed_steps(tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert last == "error: a job needs at least one profiled and one timed step (got 2 and 0)"
     assert not (tmp_path / "r.json").exists()
+
+
+def _bench():
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import train_bench
+
+    return train_bench
+
+
+def test_paired_ratio_cancels_drift_between_repeats():
+    tb = _bench()
+    # the machine slows by 2x over the repeats; within each repeat a is 1.1x b: the ratio is exactly 1.1
+    b = {k: 10.0 / (1 + k / 4) for k in range(5)}
+    a = {k: 1.1 * v for k, v in b.items()}
+    ratio, low, high, n = tb.paired_ratio(a, b)
+    assert (n, round(ratio, 9), round(low, 9), round(high, 9)) == (5, 1.1, 1.1, 1.1)
+    # noise widens the interval around the point; a repeat missing on one side is left out
+    a[2] *= 1.05
+    a[7] = 99.0
+    ratio, low, high, n = tb.paired_ratio(a, b)
+    assert n == 5 and low < ratio < high and low >= 1.1 and high <= 1.1 * 1.05
+    assert tb.paired_ratio({0: 1.0}, {1: 1.0}) is None
+
+
+def test_compare_reproduces_by_interval_overlap():
+    tb = _bench()
+
+    def row(config, speed, low, high, peak=100.0):
+        return {"shape": "s", "config": config, "speed_vs_fsdp2": speed, "speed_vs_fsdp2_low": low,
+                "speed_vs_fsdp2_high": high, "peak_alloc_mib": peak, "peak_alloc_mib_min": peak,
+                "peak_alloc_mib_max": peak, "recompute_flops_frac": 0.0, "ac_plan": "", "budget_gib": ""}
+
+    reference = [row("A", 1.00, 0.98, 1.02), row("B", 0.90, 0.88, 0.92), row("C", 0.80, 0.79, 0.81)]
+    rerun = [row("A", 1.03, 1.01, 1.05), row("B", 0.95, 0.93, 0.97), row("C", 0.80, 0.79, 0.81, peak=110.0)]
+    lines, missed = tb.compare(rerun, reference)
+    # A's intervals overlap; B's do not (a 5.6% move); C's speed agrees but its peak moved 10%
+    assert missed == [("s", "B"), ("s", "C")]
+    assert lines[0].startswith("1 of 3 configurations reproduced")
+
+
+@pytest.mark.slow
+def test_convergence_fsdp2_worker_trains_what_train_py_trains(tmp_path, debug_args):
+    """The convergence benchmark's FSDP2 worker reads the same batches, draws the same augmentation and starts
+    from the same weights as train.py: the first step's loss is train.py's (summation order aside), and the
+    next steps stay within AdamW implementations' rounding."""
+    from conftest import free_port, launch, read_metrics
+
+    args = debug_args + ["--max_steps", "3", "--zero_stage", "2", "--eval_every", "0", "--save_every", "0"]
+    launch(args + ["--output_dir", tmp_path / "ds"], launcher="torchrun")
+    proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2",
+                           "--master_port", str(free_port()), "benchmarks/convergence.py", "--fsdp2_worker", *map(str, args),
+                           "--output_dir", str(tmp_path / "fsdp2")], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ours = [r["loss"] for r in read_metrics(tmp_path / "ds")]
+    theirs = [r["loss"] for r in read_metrics(tmp_path / "fsdp2")]
+    assert len(ours) == len(theirs) == 3
+    assert theirs[0] == pytest.approx(ours[0], rel=1e-6)
+    assert theirs == pytest.approx(ours, rel=1e-4)
+    summary = json.loads((tmp_path / "fsdp2" / "summary.json").read_text())
+    assert 0 <= summary["val_top1"] <= 1 and summary["step"] == 3

@@ -22,13 +22,16 @@ from models.registry import build_model
                                         ("swin-tiny-w4", 128)])
 def test_meta_profile_equals_the_real_one(name, image):
     """Saved bytes (every policy's), FLOPs and recompute work per block, from a forward on the meta device with
-    CPU attention kernels, equal those of the built model's real forward."""
+    CPU attention kernels, equal those of the built model's real forward, and so do the bytes its memory-bound
+    operators move."""
     x = torch.randn(2, 3, image, image)
     real = profile_blocks(build_model(name, 10, image)[0], x)
     with compat.sdpa_as_on("cpu"):
         meta = profile_blocks(meta_model(replace(Config(), model=name, image_size=image)), x.to("meta"))
     assert [p.__dict__ for p in meta] == [p.__dict__ for p in real]
     assert meta.bytes_outside == real.bytes_outside and sum(p.bytes_none for p in real) > 0
+    # the memory-bound operators' traffic, which the step time charges at the memory bandwidth
+    assert meta.moved_bytes == real.moved_bytes > 0
 
 
 # published sizes: Dosovitskiy et al. 2021, Zhai et al. 2022 (ViT-g/14), Dehghani et al. 2023 (ViT-22B), Liu et
@@ -154,7 +157,7 @@ def test_validate_predicts_the_cpu_suite_within_its_targets():
     with open(f"{REPO}/benchmarks/results/cpu/results.csv") as f:
         planned = {(r["shape"], r["config"]): float(r["planned_peak_mib"]) for r in csv.DictReader(f)
                    if r["engine"] == "deepspeed"}
-    assert len(rows) == len(planned) > 20
+    assert len(rows) == len(planned) >= 12
     for r in rows:
         assert abs(r["peak_error"]) <= 0.10, (r["config"], r["shape"], r["peak_error"])
         assert r["peak_error"] == pytest.approx(r["peak_predicted"] / r["peak_measured"] - 1)

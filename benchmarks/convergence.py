@@ -1,0 +1,192 @@
+"""Convergence: the digits job (`configs/digits-vit.yaml`, 900 steps) trained to the end under DeepSpeed ZeRO-2 +
+`none`, ZeRO-3 + `selective` and FSDP2, with 3 seeds each, through the same data path.
+
+    .venv/bin/python benchmarks/convergence.py              # ~25 min on 2 cores
+    .venv/bin/python benchmarks/convergence.py --report_only
+
+DeepSpeed runs are `train.py` itself under torchrun. FSDP2 runs are this file's worker (`--fsdp2_worker`) under
+torchrun: the same config keys, shards, augmentation (`TrainTransform`, `mix_batch`), uint8 batches normalised
+on the device, per-slot seeding, loss, learning-rate schedule and `evaluate` as train.py, stepped by the
+benchmark's FSDP2 (`bench_worker.FSDP2Step`: fully_shard per block and on the root, fused AdamW, gradient
+clipping). Writes benchmarks/results/convergence/: runs.jsonl (each run's per-step losses and accuracy),
+results.md (val top-1 mean and standard deviation per engine) and curves.png (the loss curves).
+"""
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+RECIPE = "configs/digits-vit.yaml"
+# (label, train.py overrides; engine fsdp2 runs the worker below)
+RUNS = [("DeepSpeed ZeRO-2 + none", "deepspeed", ["--zero_stage", "2", "--ac", "none"]),
+        ("DeepSpeed ZeRO-3 + selective", "deepspeed", ["--zero_stage", "3", "--ac", "selective"]),
+        ("FSDP2 + none", "fsdp2", ["--ac", "none"])]
+SEEDS = (0, 1, 2)
+SMOOTH = 25  # steps in the plot's moving average
+
+
+def fsdp2_worker(argv):
+    """One FSDP2 run of a train.py config: writes metrics.jsonl (per-step loss) and summary.json like train.py."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from bench_worker import FSDP2Step, Spec
+    from config import parse
+    from data.loader import ShardStream, TrainLoader, eval_batches
+    from data.shards import parse_spec
+    from data.transforms import EvalTransform, Normalize, TrainTransform, mix_batch
+    from engine.distributed import dist_env, exit_distributed
+    from models import build_model
+    from train import evaluate
+
+    cfg = parse(argv)
+    if cfg.grad_accum_steps != 1:
+        sys.exit("error: the FSDP2 worker steps once per micro-batch: grad_accum_steps must be 1")
+    rank, world_size, _, _ = dist_env()
+    dist.init_process_group("gloo")
+    device = torch.device("cpu")
+    train_sources, val_sources = parse_spec(cfg.train_shards, "train_shards"), parse_spec(cfg.val_shards, "val_shards")
+    model, processor = build_model(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size,
+                                   train_sources[0].class_names, seed=cfg.seed, drop_path=cfg.drop_path)
+    torch.manual_seed(cfg.seed)
+    step_fn = FSDP2Step(model, cfg, Spec(engine="fsdp2", ac=cfg.ac))
+    stream = ShardStream(train_sources, mode=cfg.data_mode, rank=rank, world_size=world_size,
+                         num_workers=cfg.num_workers, micro_batch_size=cfg.micro_batch_size,
+                         shuffle_buffer=cfg.shuffle_buffer, grad_accum_steps=1, streams=cfg.data_streams, seed=cfg.seed,
+                         transform=TrainTransform(processor, cfg.crop_scale_min, cfg.hflip, cfg.randaug_n,
+                                                  cfg.randaug_m))
+    batches, normalize = TrainLoader(stream, cfg.num_workers), Normalize(processor)
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    log = open(os.path.join(cfg.output_dir, "metrics.jsonl"), "w") if rank == 0 else None
+    start = time.perf_counter()
+    for step in range(1, cfg.max_steps + 1):
+        images, labels, _ = next(batches)
+        images, labels = normalize(images.to(device)), labels.to(device)
+        slot_seed = hash((cfg.seed, step, rank)) % 2**63  # train.py's per-slot seeding
+        torch.manual_seed(slot_seed)
+        images, targets = mix_batch(images, labels, cfg.num_labels, cfg.mixup, cfg.cutmix,
+                                    torch.Generator().manual_seed(slot_seed))
+        loss = F.cross_entropy(step_fn.model(images).logits.float(), targets, label_smoothing=cfg.label_smoothing)
+        step_fn.backward_step(loss)
+        loss = loss.detach()
+        dist.all_reduce(loss)
+        if log:
+            log.write(json.dumps({"step": step, "loss": loss.item() / world_size}) + "\n")
+    seconds = time.perf_counter() - start
+    val = lambda: eval_batches(val_sources, EvalTransform(processor), cfg.micro_batch_size, rank, world_size)  # noqa: E731
+    result = evaluate(step_fn.model, val(), normalize, torch.float32, device, cfg.num_labels)
+    if log:
+        log.close()
+        with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
+            json.dump({"step": cfg.max_steps, "val_top1": result.top1, "val_top5": result.top5,
+                       "images_per_sec": cfg.max_steps * cfg.micro_batch_size * world_size / seconds}, f)
+    exit_distributed(0)
+
+
+def run_one(label: str, engine: str, overrides: list, seed: int, tmp: str) -> dict:
+    out = os.path.join(tmp, f"{engine}-{len(os.listdir(tmp))}")
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    script = ["train.py"] if engine == "deepspeed" else [os.path.abspath(__file__), "--fsdp2_worker"]
+    cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(29500 + seed + 10 * len(os.listdir(tmp))),
+           *script, "--config", RECIPE, "--seed", str(seed), "--output_dir", out, "--progress", "false", *overrides]
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // 2)), DS_ACCELERATOR="cpu",
+               PYTHONWARNINGS="ignore")
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0 or not os.path.exists(os.path.join(out, "summary.json")):
+        raise RuntimeError(f"{label}, seed {seed} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        losses = [json.loads(line)["loss"] for line in f]
+    with open(os.path.join(out, "summary.json")) as f:
+        summary = json.load(f)
+    return {"config": label, "engine": engine, "seed": seed, "val_top1": summary["val_top1"],
+            "val_top5": summary["val_top5"], "images_per_sec": summary["images_per_sec"], "wall_seconds": wall,
+            "losses": losses}
+
+
+def report(out_dir: str, runs: list, env: dict):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(r["config"] for r in runs))
+    lines = ["# Convergence: the digits job to the end, per engine\n",
+             f"{env['date']} | commit {env['git_commit']} | {env['cpu']} | 2 ranks x {env['threads']} threads, fp32 | "
+             f"`{RECIPE}` ({len(runs[0]['losses'])} steps), seeds {', '.join(map(str, SEEDS))} | "
+             f"{env['minutes']:.0f} min\n",
+             "| configuration | val top-1, mean ± std | per seed | final loss (mean of the last 50 steps) | "
+             "images/s (median) |", "|---|---|---|---|---|"]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = ["tab:blue", "tab:purple", "tab:gray"]
+    for label, color in zip(labels, colors):
+        rs = [r for r in runs if r["config"] == label]
+        top1 = [r["val_top1"] for r in rs]
+        final = [statistics.fmean(r["losses"][-50:]) for r in rs]
+        lines.append(f"| {label} | {statistics.fmean(top1):.2%} ± {statistics.stdev(top1) if len(top1) > 1 else 0:.2%} "
+                     f"| {', '.join(f'{t:.2%}' for t in top1)} | {statistics.fmean(final):.4f} ± "
+                     f"{statistics.stdev(final) if len(final) > 1 else 0:.4f} | "
+                     f"{statistics.median(r['images_per_sec'] for r in rs):.0f} |")
+        for i, r in enumerate(rs):
+            smooth = [statistics.fmean(r["losses"][max(0, k - SMOOTH + 1):k + 1]) for k in range(len(r["losses"]))]
+            ax.plot(range(1, len(smooth) + 1), smooth, color=color, lw=0.9, alpha=0.8, label=label if i == 0 else None)
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"training loss ({SMOOTH}-step moving average)")
+    ax.set_title(f"digits, {len(SEEDS)} seeds per engine: DeepSpeed and FSDP2 through the same data path", fontsize=9)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "curves.png"), dpi=130)
+    plt.close(fig)
+    lines.append("\n![loss curves](curves.png)\n")
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write("\n".join(lines))
+    print("\n".join(lines))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "convergence"))
+    parser.add_argument("--report_only", action="store_true", help="rewrite results.md and curves.png from runs.jsonl")
+    args = parser.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    if args.report_only:
+        with open(os.path.join(args.out, "runs.jsonl")) as f:
+            runs = [json.loads(line) for line in f]
+        with open(os.path.join(args.out, "environment.json")) as f:
+            return report(args.out, runs, json.load(f))
+    from tqdm import tqdm
+
+    started, runs = time.perf_counter(), []
+    jobs = [(seed, run) for seed in SEEDS for run in RUNS]  # engines alternate within each seed
+    with tempfile.TemporaryDirectory() as tmp, open(os.path.join(args.out, "runs.jsonl"), "w") as log:
+        for seed, (label, engine, overrides) in tqdm(jobs, desc="convergence"):
+            r = run_one(label, engine, overrides, seed, tmp)
+            runs.append(r)
+            log.write(json.dumps(r) + "\n")
+            log.flush()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
+    with open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
+    env = {"date": datetime.date.today().isoformat(), "git_commit": commit.strip(), "cpu": cpu,
+           "threads": max(1, (os.cpu_count() or 2) // 2), "minutes": (time.perf_counter() - started) / 60}
+    with open(os.path.join(args.out, "environment.json"), "w") as f:
+        json.dump(env, f, indent=1)
+    report(args.out, runs, env)
+
+
+if __name__ == "__main__":
+    if "--fsdp2_worker" in sys.argv:
+        fsdp2_worker([a for a in sys.argv[1:] if a != "--fsdp2_worker"])
+    else:
+        main()
