@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# The GPU paths in one short script, for a session that is lent a GPU; ~9 minutes on one H200.
-#   bash benchmarks/gpu_check.sh [OUT]     # default OUT: benchmarks/results/gpu-check
+# The GPU paths in one short script, for a session that is lent a GPU.
+#   bash benchmarks/gpu_check.sh [OUT]                  # default OUT: benchmarks/results/gpu-check
+#   PARTS="1 4" bash benchmarks/gpu_check.sh            # only those parts (default: 1 2 3 4)
+# On one H200: parts 1 and 2 about 2 minutes, part 3 about 3 (7 short runs), part 4 about 6 (10 jobs of the
+# gpu-small suite at ~35 s each). All four exceed an 8-minute device window: run "1 4" first, then "2 3".
 # 1. the GPU, versions, and a bf16 GEMM's rate (8192^3, the figure MFU is read against);
 # 2. train.py's main job (digits) in bf16 on one rank over NCCL, with its torch.cuda memory figures;
 # 3. the activation-checkpointing policies under ZeRO-3 in bf16 (none, selective, full, and offload, which
@@ -38,12 +41,18 @@ print(f"bf16 GEMM 8192^3: median {sorted(rates)[2]:.0f} TFLOP/s (min {min(rates)
 EOF
 [ -f data/digits/_info.json ] || $PY data/make_shards.py digits data/digits
 
+part() { [[ " ${PARTS:-1 2 3 4} " == *" $1 "* ]]; }
+
+if part 2; then
 echo "== 2. train.py, digits, bf16, 1 rank, NCCL"
 run 150 $PY -m torch.distributed.run --nproc_per_node 1 train.py --config configs/digits-vit.yaml --precision bf16 \
   --save_every 0 --output_dir "$OUT/digits-bf16" --progress false > "$OUT/digits-bf16.log" 2>&1
 grep -v "^\[" "$OUT/digits-bf16.log" | tail -4
 tail -1 "$OUT/digits-bf16/metrics.jsonl" 2>/dev/null
 
+fi
+
+if part 3; then
 echo "== 3. activation checkpointing on the GPU: 20 steps each, last loss"
 policy() {  # precision stage ac [ds_config]
   local dir="$OUT/ac-$1-zero$2-${3//:/_}${4:+-$(basename "$4" .json)}"
@@ -64,11 +73,15 @@ for ac in none selective; do policy fp16 2 "$ac"; done
 # on one GPU hpZ's partition is the one rank, so this checks the quantized paths, not hpZ
 policy bf16 3 none ds_configs/zero3pp.json
 
+fi
+
+if part 4; then
 echo "== 4. the gpu-small benchmark suite"
 # each job's warm-up step (step 5) traced with CUDA activity, one file per configuration, for diagnosis
 mkdir -p "$OUT/traces"
-BENCH_TRACE_DIR="$OUT/traces" BENCH_TRACE_STEP=5 run 270 $PY benchmarks/train_bench.py --suite gpu-small \
+BENCH_TRACE_DIR="$OUT/traces" BENCH_TRACE_STEP=5 run 420 $PY benchmarks/train_bench.py --suite gpu-small \
   --out "$OUT/suite" > "$OUT/suite.log" 2>&1
 grep -v "it/s\]\|s/it\]" "$OUT/suite.log" | tail -40
 echo "-- plan.py's predictions (bf16) against the suite's torch.cuda peaks"
 tail -n +5 "$OUT/suite/planner.md" 2>/dev/null || echo "no planner.md"
+fi
