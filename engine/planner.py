@@ -142,12 +142,13 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
     moved = 3 * prof.moved_bytes + 3 * rerun * weight_bytes
     optimizer_moved = OPTIMIZER_BYTES_PER_PARAM * n_params / world_size if not offloaded(cfg.zero_stage, ds_config)[0] \
         else 0
-    memory_s = (moved * cfg.grad_accum_steps + optimizer_moved) / (device.mem_gbs * 1e9 * mbu)
+    bandwidth = device.mem_gbs * 1e9 * mbu
+    memory_s = (moved * cfg.grad_accum_steps + optimizer_moved) / bandwidth
     # a micro-batch takes its FLOPs' and its memory traffic's time, or, if longer, the host's time to launch its
     # operators (the backward about twice the forward's), which the device cannot outrun
-    micro_s = max(flops / cfg.grad_accum_steps / (device.flops * mfu) + moved / (device.mem_gbs * 1e9 * mbu),
+    micro_s = max(flops / cfg.grad_accum_steps / (device.flops * mfu) + moved / bandwidth,
                   3 * n_ops * device.op_overhead_s)
-    compute_s = micro_s * cfg.grad_accum_steps + optimizer_moved / (device.mem_gbs * 1e9 * mbu)
+    compute_s = micro_s * cfg.grad_accum_steps + optimizer_moved / bandwidth
     zero = ds_config.get("zero_optimization", {})
     intra, inter = comm_bytes(n_params, cfg.zero_stage, cfg.grad_accum_steps, world_size, ranks_per_node,
                               weight_bytes, zero)

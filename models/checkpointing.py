@@ -162,7 +162,8 @@ class _OpRecorder(compat.dispatch_mode_class()):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self.ops += not func.is_view
-        if func not in COMPUTE_OPS and not func.is_view and compat.op_packet(func) not in VIEW_OPS:
+        moves_data = not func.is_view and compat.op_packet(func) not in VIEW_OPS
+        if func not in COMPUTE_OPS and moves_data:
             outs = out if isinstance(out, (tuple, list)) else (out,)
             ins = [a for arg in args for a in (arg if isinstance(arg, (tuple, list)) else (arg,))]
             self.moved += sum(t.numel() * t.element_size() for t in (*ins, *outs) if isinstance(t, torch.Tensor))
