@@ -43,6 +43,13 @@ def cluster_args(argv):
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--picture", metavar="PNG", help="draw the per-rank memory breakdown of the listed configurations")
     parser.add_argument("--list_devices", action="store_true")
+    parser.add_argument("--calibrate", metavar="JSON",
+                        help="measure here what a plan of this configuration assumes (its operators' FLOP rate and "
+                             "bandwidth at this micro-batch, the memory and, under torchrun, the all-gather "
+                             "bandwidth) and write it to JSON")
+    parser.add_argument("--calibration", metavar="JSON",
+                        help="plan one configuration with what --calibrate measured, in place of --mfu, --mbu, "
+                             "--device_mem_gbs and --intra_gbs")
     parser.add_argument("--validate", metavar="RESULTS_CSV",
                         help="compare predictions with a benchmark suite's measured rows (benchmarks/results/<suite>/)")
     return parser.parse_known_args(argv)
@@ -72,7 +79,7 @@ def gib(n: float) -> str:
 
 
 def describe(e: dict) -> str:
-    m = e["memory"]
+    m, cal = e["memory"], e["calibrated"]
     lines = [f"{e['model']} ({e['params'] / 1e9:.3f}B params), {e['image_size']}px, {e['precision']} | ZeRO-{e['zero_stage']}"
              f" | micro-batch {e['micro_batch_size']} x {e['grad_accum_steps']} accumulation x {e['world_size']} ranks "
              f"= {e['global_batch']} images | ac {e['ac']} {e['plan']} | {e['world_size']} x {e['device']}, "
@@ -82,9 +89,12 @@ def describe(e: dict) -> str:
                f"{gib(e['capacity_bytes'])} usable: {'fits' if e['fits'] else 'DOES NOT FIT'}",
              f"step: {e['step_s'] * 1e3:.1f} ms = compute {e['compute_s'] * 1e3:.1f} ms "
              f"({e['flops_per_step_per_rank'] / 1e12:.2f} TFLOP per rank, recompute {e['recompute_fraction']:.1%}, at "
-             f"{e['assumptions']['mfu']:.0%} of peak; of it {e['memory_bound_s'] * 1e3:.1f} ms moving "
+             + (f"{cal['flops_per_s'] / 1e9:.1f} GFLOP/s as calibrated" if cal else f"{e['assumptions']['mfu']:.0%} of peak")
+             + f"; of it {e['memory_bound_s'] * 1e3:.1f} ms moving "
              f"{e['memory_bytes_per_step_per_rank'] / 1e9:.2f} GB through memory-bound operators at "
-             f"{e['assumptions']['mbu']:.0%} of {e['assumptions']['mem_gbs']:g} GB/s) + communication {e['comm_s'] * 1e3:.1f} ms "
+             + (f"{cal['bytes_per_s'] / 1e9:.1f} GB/s as calibrated (the optimizer's at {e['assumptions']['mem_gbs']:.1f})"
+                if cal else f"{e['assumptions']['mbu']:.0%} of {e['assumptions']['mem_gbs']:g} GB/s")
+             + f") + communication {e['comm_s'] * 1e3:.1f} ms "
              f"({e['comm_bytes_per_step_per_rank'] / 1e9:.2f} GB per rank, {e['comm_bytes_between_nodes'] / 1e9:.2f} GB of it "
              f"between nodes at {e['assumptions']['inter_gbs']:g} GB/s, within at {e['assumptions']['intra_gbs']:g} GB/s; "
              f"{e['assumptions']['overlap']:.0%} hidden)"
@@ -168,32 +178,98 @@ def write_plan(best: dict, cfg, ds_config: dict, out: str, a):
 
 def validation_table(rows: list) -> str:
     """plan.py's predictions against a benchmark suite's measurements, as a markdown table and a summary line."""
-    lines = ["| shape | configuration | peak MiB predicted | measured | error | step s predicted (of it memory-bound) | "
-             "measured | error |", "|---|---|---|---|---|---|---|---|"]
+    if not rows:
+        return "no DeepSpeed rows to compare"
+    lines = ["| shape | configuration | peak MiB predicted | measured | error | step s calibrated (compute, of it "
+             "memory-bound; communication) | assumed | measured | error calibrated | error assumed |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['config']} | {r['peak_predicted'] / 2**20:.1f} | "
                      f"{r['peak_measured'] / 2**20:.1f} | {r['peak_error']:+.1%} | {r['step_predicted']:.3f} "
-                     f"({r['memory_bound_s']:.3f}) | {r['step_measured']:.3f} | {r['step_error']:+.1%} |")
-    if not rows:
-        return "no DeepSpeed rows to compare"
+                     f"({r['compute_s']:.3f}, {r['memory_bound_s']:.3f}; {r['comm_s']:.3f}) | {r['step_assumed']:.3f} | "
+                     f"{r['step_measured']:.3f} | {r['step_error']:+.1%} | {r['step_error_assumed']:+.1%} |")
     worst_peak = max(rows, key=lambda r: abs(r["peak_error"]))
     worst_step = max(rows, key=lambda r: abs(r["step_error"]))
+    worst_assumed = max(rows, key=lambda r: abs(r["step_error_assumed"]))
     return ("\n".join(lines) + f"\n\n{len(rows)} rows; largest peak error {worst_peak['peak_error']:+.1%} "
-            f"({worst_peak['config']}, {worst_peak['shape']}), largest step-time error {worst_step['step_error']:+.1%} "
-            f"({worst_step['config']}, {worst_step['shape']})")
+            f"({worst_peak['config']}, {worst_peak['shape']}); largest step-time error calibrated "
+            f"{worst_step['step_error']:+.1%} ({worst_step['config']}, {worst_step['shape']}), assumed "
+            f"{worst_assumed['step_error_assumed']:+.1%} ({worst_assumed['config']}, {worst_assumed['shape']})")
+
+
+def calibration_table(rows: list) -> str:
+    """Each shape's calibration, as the validation used it."""
+    lines = ["| shape | operators GFLOP/s | operators GB/s | streaming GB/s | all-gather GB/s per rank | source |",
+             "|---|---|---|---|---|---|"]
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        r = next(r for r in rows if r["shape"] == shape)
+        c = r["calibration"]
+        lines.append(f"| {shape} | {c['flops_per_s'] / 1e9:.1f} | {c['bytes_per_s'] / 1e9:.1f} | {c['stream_gbs']:.1f} | "
+                     f"{c['comm_gbs']:.2f} | {r['calibration_source']} |")
+    return "\n".join(lines)
 
 
 def write_validation(results_dir: str, suite_name: str):
     """planner.md beside a benchmark suite's results.csv: the predictions for its rows and their errors."""
     from engine.planner import validate
 
-    rows = validate(os.path.join(results_dir, "results.csv"))
+    rows = validate(os.path.join(results_dir, "results.csv"), save=True)
     with open(os.path.join(results_dir, "planner.md"), "w") as f:
         f.write(f"# {suite_name}: plan.py's predictions against these measurements\n\n"
-                f"`python plan.py --validate {os.path.relpath(results_dir)}/results.csv`; on CPU the device's peak is "
-                f"the GEMM rate measured in the same run, taken at 100%, and memory-bound operators run at "
-                + (f"{rows[0]['mem_gbs']:.1f} GB/s per rank (an elementwise add, {rows[0]['mem_gbs_source']})"
-                   if rows else "the measured bandwidth") + f".\n\n{validation_table(rows)}\n")
+                f"`python plan.py --validate {os.path.relpath(results_dir)}/results.csv`. Two step times per row:\n\n"
+                f"- **calibrated**: what `plan.py --calibrate` measured for the shape with every rank running (the "
+                f"model's own operators replayed forward and backward at the micro-batch, the optimizer's streaming "
+                f"bandwidth, the all-gather bandwidth between the ranks), in the planner's step model;\n"
+                f"- **assumed**: every FLOP at the 2048^3 GEMM rate measured in the run, memory-bound operators at "
+                f"a streaming add's bandwidth, the collectives at 10 GB/s.\n\n"
+                f"{calibration_table(rows) if rows else ''}\n\n{validation_table(rows)}\n")
+
+
+def run_calibration(cfg, precision: str, out: str) -> int:
+    """--calibrate: every rank of the launch (one without a launcher) measures at once; rank 0 writes the
+    slowest rank's figures. Needs the device it calibrates: a GPU for bf16 plans, the CPU for fp32 ones."""
+    import torch
+    import torch.distributed as dist
+
+    from engine.distributed import exit_distributed, init_distributed
+    from engine.planner import calibrate, slowest
+
+    if precision != "fp32" and not torch.cuda.is_available():
+        raise ConfigError(f"calibrating {precision} needs the GPU it would run on; on CPU, calibrate fp32")
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    device = init_distributed(int(os.environ.get("LOCAL_RANK", 0))) if launched else \
+        torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    mine = calibrate(cfg, precision, device)
+    per_rank = [None] * dist.get_world_size() if launched else [mine]
+    if launched:
+        dist.all_gather_object(per_rank, mine)
+    if not launched or dist.get_rank() == 0:
+        result = slowest(per_rank)
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"{cfg.model} micro-batch {cfg.micro_batch_size} {precision} on {result['ranks']} x {result['device']}: "
+              f"operators {result['flops_per_s'] / 1e9:.1f} GFLOP/s and {result['bytes_per_s'] / 1e9:.1f} GB/s, "
+              f"streaming {result['stream_gbs']:.1f} GB/s, all-gather {result['comm_gbs']:.2f} GB/s per rank"
+              + (f"; {len(result['failed_ops'])} operators did not replay" if result["failed_ops"] else "")
+              + f": {out}")
+    if launched:
+        exit_distributed(0)
+    return 0
+
+
+def load_calibration(path: str, cfg, precision: str) -> dict:
+    from engine.planner import CALIBRATION_KEYS
+
+    try:
+        with open(path) as f:
+            calibration = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read the calibration {path}: {e}") from None
+    want = {**{k: getattr(cfg, k) for k in CALIBRATION_KEYS}, "precision": precision}
+    differ = [f"{k} {calibration.get(k)} (not {v})" for k, v in want.items() if calibration.get(k) != v]
+    if differ:
+        raise ConfigError(f"{path} calibrated another configuration: {', '.join(differ)}")
+    return calibration
 
 
 def print_validation(a) -> int:
@@ -213,7 +289,7 @@ def main(argv=None):
     a, rest = cluster_args(argv)
     try:
         from engine.ds_config import build_ds_config
-        from engine.planner import DEFAULT_MBU, DEFAULT_MFU, DEVICES, estimate, search, smallest_cluster
+        from engine.planner import DEFAULT_MBU, DEFAULT_MFU, DEVICES, calibrated, estimate, search, smallest_cluster
         from models.registry import model_config
 
         if a.list_devices:
@@ -225,17 +301,25 @@ def main(argv=None):
         if a.validate:
             return print_validation(a)
         cfg = parse(rest)
+        precision = cfg.precision if cfg.precision != "auto" else ("bf16" if a.device != "cpu" else "fp32")
+        if a.calibrate:
+            return run_calibration(cfg, precision, a.calibrate)
         device = device_of(a)
         if a.world_size < 1 or a.ranks_per_node < 1:
             raise ConfigError("world_size and ranks_per_node must be at least 1")
-        precision = cfg.precision if cfg.precision != "auto" else ("bf16" if a.device != "cpu" else "fp32")
         hidden = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size).hidden_size
         ds_for = lambda c: build_ds_config(c, hidden, a.world_size, precision, a.ranks_per_node,  # noqa: E731
                                            gpu=a.device != "cpu")
-        mfu = a.mfu or DEFAULT_MFU
+        mfu, mbu, rates = a.mfu or DEFAULT_MFU, a.mbu or DEFAULT_MBU, None
+        if a.calibration:
+            if a.global_batch:
+                raise ConfigError("a calibration holds one micro-batch's rates: plan one configuration with it "
+                                  "(no --global_batch)")
+            device, rates = calibrated(device, load_calibration(a.calibration, cfg, precision))
+            mbu = 1.0  # measured
         if a.global_batch:
             found = search(cfg, ds_for, precision, a.world_size, a.ranks_per_node, device, a.global_batch, mfu,
-                           a.overlap, mbu=a.mbu or DEFAULT_MBU)
+                           a.overlap, mbu=mbu)
             if not found:
                 smallest, with_offload = smallest_cluster(cfg, ds_for, precision, a.ranks_per_node, device)
                 raise ConfigError(
@@ -262,7 +346,7 @@ def main(argv=None):
                     print(f"written: {a.out}/config.yaml, ds_config.json, plan.json, launch.sh")
             return 0
         e = estimate(cfg, ds_for(cfg), precision, a.world_size, a.ranks_per_node, device, mfu, a.overlap,
-                     mbu=a.mbu or DEFAULT_MBU)
+                     mbu=mbu, rates=rates)
         print(json.dumps(e, indent=1) if a.json else describe(e))
         if a.picture:
             draw([e], a.picture, f"{cfg.model}, {a.world_size} x {device.name}")

@@ -167,18 +167,32 @@ def gemm_gflops(threads: int, n: int = 2048, reps: int = 5) -> list:
     return rates
 
 
-def memory_gbs(threads: int, n: int = 2**24, reps: int = 5) -> list:
-    """GB/s of an elementwise add over 64 MiB fp32 tensors (two read, one written) with the ranks' thread count:
-    the rate the planner charges memory-bound operators at on CPU."""
+def memory_gbs(threads: int, reps: int = 5) -> list:
+    """GB/s of an elementwise add over 64 MiB fp32 tensors with the ranks' thread count (engine/replay.py)."""
+    from engine.replay import stream_gbs
+
     torch.set_num_threads(threads)
-    a, b, c = torch.randn(n), torch.randn(n), torch.empty(n)
-    torch.add(a, b, out=c)  # warm-up
-    rates = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        torch.add(a, b, out=c)
-        rates.append(3 * 4 * n / (time.perf_counter() - start) / 1e9)
-    return rates
+    return [stream_gbs(torch.device("cpu"), reps=1) for _ in range(reps)]
+
+
+def calibrate(model: str, image_size: int, patch_size: int, micro_batch_size: int, num_labels: int, ranks: int,
+              threads: int, precision: str = "fp32", timeout_s: int = 600) -> dict:
+    """`plan.py --calibrate` of one shape under torchrun with the suite's ranks and threads: the planner's
+    figures for it, measured with every rank running as in a suite's job (engine/planner.py:calibrate)."""
+    from engine.distributed import free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "calibration.json")
+        cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", str(ranks),
+               "--master_port", str(free_port()), os.path.join(REPO, "plan.py"), "--calibrate", out, "--model", model,
+               "--image_size", str(image_size), "--patch_size", str(patch_size), "--micro_batch_size",
+               str(micro_batch_size), "--num_labels", str(num_labels), "--precision", precision]
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore", **CPU_ALLOCATOR_ENV)
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+        if proc.returncode != 0 or not os.path.exists(out):
+            raise RuntimeError(f"calibrating {model} failed: {(proc.stdout + proc.stderr)[-2000:]}")
+        with open(out) as f:
+            return json.load(f)
 
 
 # dense bf16 peak per GPU (TFLOP/s, without sparsity), from the vendors' data sheets
@@ -727,6 +741,14 @@ def main(argv=None):
         os.remove(os.path.join(out_dir, "failed.log"))
     started = time.perf_counter()
     gemm = gemm_gflops(threads) if not torch.cuda.is_available() else gpu_peak_gflops()
+    calibrations = {}  # what the planner's step time is computed from, per shape (plan.py --calibrate)
+    for shape in tqdm(suite.shapes, desc="calibrating the planner", dynamic_ncols=True):
+        try:
+            calibrations[shape.label] = calibrate(shape.model, shape.image_size, shape.patch_size,
+                                                  shape.micro_batch_size, 10, suite.ranks, threads,
+                                                  "bf16" if torch.cuda.is_available() else "fp32")
+        except (RuntimeError, subprocess.TimeoutExpired) as e:  # plan.py --validate measures it later instead
+            print(f"warning: {str(e).splitlines()[0]}", file=sys.stderr)
     jobs = [(shape, run) for shape in suite.shapes for run in runs_of(suite, shape)]
     results, measured, budgets = [], {}, {}
     bar = tqdm(total=len(jobs) * suite.repeats, desc=args.suite, dynamic_ncols=True)
@@ -752,16 +774,17 @@ def main(argv=None):
                 gemm += gemm_gflops(threads)  # the peak, re-measured between repeats: the machine drifts
     bar.close()
     return report(out_dir, args.suite, suite, results, gemm, threads, (time.perf_counter() - started) / 60,
-                  args.compare)
+                  args.compare, calibrations=calibrations)
 
 
 def report(out_dir: str, suite_name: str, suite: Suite, results: list, gemm: list, threads: int, minutes: float,
-           compare_to: str = "", saved_env: dict = None) -> int:
+           compare_to: str = "", saved_env: dict = None, calibrations: dict = None) -> int:
     """Write results.csv/.md, environment.json and pareto.png; `saved_env`: the runs' own environment (a report
-    rewritten later keeps the date, commit and versions of the runs)."""
+    rewritten later keeps the date, commit and versions of the runs); `calibrations`: the planner's, per shape,
+    measured at the start of the run."""
     flops = {s.label: model_flops_per_image(s) for s in suite.shapes}
     env = {k: v for k, v in saved_env.items() if k not in ("suite", "minutes", "model_flops_per_image")} \
-        if saved_env else environment(threads, gemm)
+        if saved_env else dict(environment(threads, gemm), calibration=calibrations or {})
     rows = summarise(results, suite.shapes, suite, flops, env["peak_gflops_per_rank"])
     targets = check_targets(rows, suite, results)
     columns = list(dict.fromkeys(k for r in rows for k in r))

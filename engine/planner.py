@@ -84,6 +84,46 @@ def profile(cfg: Config, device_type: str, dtype: torch.dtype = torch.float32):
     return prof.scaled(cfg.micro_batch_size / PROFILE_BATCH), n_params, largest
 
 
+CALIBRATION_KEYS = ("model", "image_size", "patch_size", "micro_batch_size", "precision")
+
+
+def calibrate(cfg: Config, precision: str, device: torch.device, progress=None) -> dict:
+    """What this rank measures for a plan of `cfg` (engine/replay.py): the FLOP rate and bandwidth the model's own
+    operators reach at its micro-batch, forward and backward; a streaming add's bandwidth (the optimizer's); and,
+    in a process group, the all-gather bandwidth between its ranks. Under torchrun every rank measures at once,
+    sharing the node as a run's ranks do."""
+    from engine.replay import collective_gbs, record, replay, stream_gbs
+
+    dtype = DTYPES[precision]
+    model = meta_model(cfg).to(dtype)
+    images = torch.empty(cfg.micro_batch_size, 3, cfg.image_size, cfg.image_size, device="meta", dtype=dtype)
+    with compat.sdpa_as_on(device.type):
+        counts = record(model, images)
+    ops = replay(counts, device, progress=progress)
+    return {**{k: getattr(cfg, k) for k in CALIBRATION_KEYS}, "precision": precision, "device": device.type,
+            "threads": torch.get_num_threads(), "flops_per_s": ops.flops_per_s, "bytes_per_s": ops.bytes_per_s,
+            "stream_gbs": stream_gbs(device), "comm_gbs": collective_gbs(device), "distinct_ops": ops.distinct_ops,
+            "replay_seconds": {"compute_forward": ops.compute_forward_s, "compute_backward": ops.compute_backward_s,
+                               "memory_forward": ops.memory_forward_s, "memory_backward": ops.memory_backward_s},
+            "failed_ops": list(ops.failed)}
+
+
+def slowest(per_rank: list) -> dict:
+    """One calibration from every rank's (a step waits for the slowest rank at every collective): the replay of
+    the rank that took longest, the lowest streaming and all-gather bandwidths, and each rank's figures."""
+    rates = ("flops_per_s", "bytes_per_s", "stream_gbs", "comm_gbs")
+    slow = max(per_rank, key=lambda r: sum(r["replay_seconds"].values()))
+    return {**slow, **{k: min(r[k] for r in per_rank) for k in ("stream_gbs", "comm_gbs")}, "ranks": len(per_rank),
+            "per_rank": [{k: r[k] for k in (*rates, "replay_seconds")} for r in per_rank]}
+
+
+def calibrated(device: Device, calibration: dict) -> tuple[Device, dict]:
+    """(the device with the calibration's measured bandwidths, the model's operator rates for estimate())."""
+    device = replace(device, mem_gbs=calibration["stream_gbs"],
+                     intra_gbs=calibration["comm_gbs"] or device.intra_gbs)
+    return device, {k: calibration[k] for k in ("flops_per_s", "bytes_per_s")}
+
+
 def _target(device: "Device") -> str:
     """The device type whose kernels a plan for `device` profiles with."""
     return "cpu" if device.name == "cpu" else "cuda"
@@ -117,14 +157,17 @@ def comm_bytes(n_params: int, zero_stage: int, grad_accum: int, world_size: int,
 
 
 def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, ranks_per_node: int, device: Device,
-             mfu: float = DEFAULT_MFU, overlap: float = 0.0, measured=None, mbu: float = DEFAULT_MBU) -> dict:
+             mfu: float = DEFAULT_MFU, overlap: float = 0.0, measured=None, mbu: float = DEFAULT_MBU,
+             rates=None) -> dict:
     """Per-rank peak memory by part and step time of one configuration. `measured`: a profile() result to reuse.
 
     The step's compute is its matmuls' FLOPs at `mfu` of the device's peak, plus what its memory-bound
     operators (norms, activations, softmax, adds, copies, the optimizer) read and write at `mbu` of its memory
     bandwidth: the forward's traffic as profiled, twice that for the backward (each such operator's backward
     reads the output gradient and its saved inputs and writes the input gradient), the recomputed blocks'
-    cheap operators again, and the optimizer step over the rank's partition."""
+    cheap operators again, and the optimizer step over the rank's partition. `rates`: {"flops_per_s",
+    "bytes_per_s"} that this model's operators reached at this micro-batch (calibrate()), in place of `mfu` of the
+    device's peak and `mbu` of its bandwidth (the optimizer's stream stays at `mbu` of the device's bandwidth)."""
     prof, n_params, largest = measured or profile(cfg, _target(device), DTYPES[precision])
     fwd_flops, n_ops = prof.forward_flops / cfg.micro_batch_size, prof.ops
     parts = zero_memory_parts(n_params, cfg.zero_stage, world_size, precision, ds_config)
@@ -143,10 +186,12 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
     optimizer_moved = OPTIMIZER_BYTES_PER_PARAM * n_params / world_size if not offloaded(cfg.zero_stage, ds_config)[0] \
         else 0
     bandwidth = device.mem_gbs * 1e9 * mbu
-    memory_s = (moved * cfg.grad_accum_steps + optimizer_moved) / bandwidth
+    flop_rate, model_bandwidth = (rates["flops_per_s"], rates["bytes_per_s"]) if rates else (device.flops * mfu,
+                                                                                           bandwidth)
+    memory_s = moved * cfg.grad_accum_steps / model_bandwidth + optimizer_moved / bandwidth
     # a micro-batch takes its FLOPs' and its memory traffic's time, or, if longer, the host's time to launch its
     # operators (the backward about twice the forward's), which the device cannot outrun
-    micro_s = max(flops / cfg.grad_accum_steps / (device.flops * mfu) + moved / bandwidth,
+    micro_s = max(flops / cfg.grad_accum_steps / flop_rate + moved / model_bandwidth,
                   3 * n_ops * device.op_overhead_s)
     compute_s = micro_s * cfg.grad_accum_steps + optimizer_moved / bandwidth
     zero = ds_config.get("zero_optimization", {})
@@ -189,6 +234,7 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
         "ds_config_template": cfg.ds_config, "compute_s": compute_s, "memory_bound_s": memory_s, "comm_s": comm_s,
         "step_s": step_s, "memory_bytes_per_step_per_rank": moved * cfg.grad_accum_steps + optimizer_moved,
         "images_per_s": images * world_size / step_s,
+        "calibrated": rates,
         "assumptions": {"mfu": mfu, "mbu": mbu, "mem_gbs": device.mem_gbs, "overlap": overlap, "intra_gbs": device.intra_gbs, "inter_gbs": device.inter_gbs,
                         "reserved_gib": RESERVED_GIB, "allocator_margin": ALLOCATOR_MARGIN,
                         "op_overhead_s": device.op_overhead_s, "ops_per_forward": n_ops,
@@ -249,18 +295,23 @@ def smallest_cluster(cfg: Config, ds_config_for, precision: str, ranks_per_node:
     return None, False
 
 
-def validate(results_csv: str, mfu: float = 1.0, intra_gbs: float = 10.0) -> list:
+def validate(results_csv: str, mfu: float = 1.0, intra_gbs: float = 10.0, save: bool = False) -> list:
     """The planner's predictions for every DeepSpeed row of a benchmark suite's results.csv (runs.jsonl and
-    environment.json beside it give each row's configuration and the GEMM rate measured in the same run), with
-    the measured peak memory and step time and the errors. On CPU the device's peak is that GEMM rate, so `mfu`
-    1.0 predicts the step as if every FLOP ran at it; `intra_gbs`: the ranks' shared-memory bandwidth."""
+    environment.json beside it give each row's configuration and what was measured in the same run), with the
+    measured peak memory and step time and the errors. Two step times: `assumed`, every FLOP at the GEMM rate
+    measured in the run (`mfu` of it), memory-bound operators at a streaming add's bandwidth and the ranks'
+    collectives at `intra_gbs`; and `calibrated`, each shape's own calibration (calibrate(): its operators'
+    rates and the all-gather bandwidth, measured with all ranks running), recorded in the run or, for a run
+    that did not record one, in calibration.json beside it, or else measured now on this machine (and, with
+    `save`, written there, dated, so that the validation's figures can be reproduced)."""
     import csv
+    import datetime
     import json
     import os
     import statistics
 
     from benchmarks.bench_worker import Spec, run_config
-    from benchmarks.train_bench import memory_gbs
+    from benchmarks.train_bench import calibrate as calibrate_job, memory_gbs
     from engine.ds_config import build_ds_config
 
     folder = os.path.dirname(os.path.abspath(results_csv))
@@ -270,8 +321,18 @@ def validate(results_csv: str, mfu: float = 1.0, intra_gbs: float = 10.0) -> lis
         runs = [json.loads(line) for line in f]
     with open(os.path.join(folder, "environment.json")) as f:
         env = json.load(f)
+    threads = env.get("threads_per_rank", 1)
     # the memory bandwidth measured in the same run, or (older runs) now, on this machine
-    mem_gbs = env.get("mem_gbs_per_rank") or statistics.median(memory_gbs(env.get("threads_per_rank", 1)))
+    mem_gbs = env.get("mem_gbs_per_rank") or statistics.median(memory_gbs(threads))
+    calibrations, sources = dict(env.get("calibration") or {}), {}
+    sources.update((shape, "measured in the run") for shape in calibrations)
+    later = os.path.join(folder, "calibration.json")
+    if os.path.exists(later):
+        with open(later) as f:
+            for shape, c in json.load(f).items():
+                if shape not in calibrations:
+                    calibrations[shape], sources[shape] = c, f"measured at validation on {c['date']}"
+    added = {}
     out = []
     for row in rows:
         jobs = [r for r in runs if r["shape"] == row["shape"] and r["run"] == row["config"]]
@@ -281,20 +342,40 @@ def validate(results_csv: str, mfu: float = 1.0, intra_gbs: float = 10.0) -> lis
         cfg = run_config(spec)
         world, device_type = jobs[0]["world_size"], jobs[0]["device"]
         precision = "fp32" if device_type == "cpu" else "bf16"
-        # the CPU runs each operator as it is dispatched: its launch cost is inside the measured FLOP rate; the
+        # the CPU runs each operator as it is dispatched: its launch cost is inside the measured rates; the
         # memory (1e6 GiB) is not the question here
         device = Device(device_type, env["peak_gflops_per_rank"] * 1e9, 1e6, intra_gbs, intra_gbs, 0.0,
                         mem_gbs=mem_gbs)
         hidden = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size).hidden_size
-        est = estimate(cfg, build_ds_config(cfg, hidden, world, precision), precision, world, world, device, mfu,
-                       mbu=1.0)
+        ds_config = build_ds_config(cfg, hidden, world, precision)
+        assumed = estimate(cfg, ds_config, precision, world, world, device, mfu, mbu=1.0)
+        if row["shape"] not in calibrations:
+            added[row["shape"]] = calibrations[row["shape"]] = dict(
+                calibrate_job(cfg.model, cfg.image_size, cfg.patch_size, cfg.micro_batch_size, cfg.num_labels,
+                              world, threads, precision), date=datetime.date.today().isoformat())
+            sources[row["shape"]] = f"measured at validation on {calibrations[row['shape']]['date']}"
+        calibration = calibrations[row["shape"]]
+        cal_device, rates = calibrated(device, calibration)
+        est = estimate(cfg, ds_config, precision, world, world, cal_device, mbu=1.0, rates=rates)
         step_s = statistics.median(statistics.median(r["step_seconds"]) for r in jobs)
         measured_peak = float(row["peak_alloc_mib"]) * 2**20
         out.append({"shape": row["shape"], "config": row["config"], "zero_stage": cfg.zero_stage, "ac": cfg.ac,
                     "peak_predicted": est["peak_bytes"], "peak_measured": measured_peak,
-                    "peak_error": est["peak_bytes"] / measured_peak - 1,
-                    "step_predicted": est["step_s"], "step_measured": step_s, "step_error": est["step_s"] / step_s - 1,
+                    "peak_error": est["peak_bytes"] / measured_peak - 1, "step_measured": step_s,
+                    "step_predicted": est["step_s"], "step_error": est["step_s"] / step_s - 1,
                     "compute_s": est["compute_s"], "memory_bound_s": est["memory_bound_s"], "comm_s": est["comm_s"],
+                    "step_assumed": assumed["step_s"], "step_error_assumed": assumed["step_s"] / step_s - 1,
                     "mem_gbs": mem_gbs, "mem_gbs_source": "measured in the run" if env.get("mem_gbs_per_rank")
-                    else "measured at validation"})
+                    else "measured at validation",
+                    "calibration": {k: calibration[k] for k in ("flops_per_s", "bytes_per_s", "stream_gbs",
+                                                                "comm_gbs")},
+                    "calibration_source": sources[row["shape"]],
+                    "calibration_failed_ops": len(calibration["failed_ops"])})
+    if save and added:
+        saved = {}
+        if os.path.exists(later):
+            with open(later) as f:
+                saved = json.load(f)
+        with open(later, "w") as f:
+            json.dump({**saved, **added}, f, indent=1)
     return out
