@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu_check.sh [OUT]                  # default OUT: benchmarks/results/gpu-check
 #   PARTS="1 4" bash benchmarks/gpu_check.sh            # only those parts (default: 1 2 3 4)
 # On one H200: parts 1 and 2 about 2 minutes, part 3 about 3 (7 short runs), part 4 about 6 (10 jobs of the
-# gpu-small suite at ~35 s each). All four exceed an 8-minute device window: run "1 4" first, then "2 3".
+# gpu-small suite at ~35 s each, after the planner's calibration). All four exceed an 8-minute device window: run "1 4" first, then "2 3".
 # 1. the GPU, versions, and a bf16 GEMM's rate (8192^3, the figure MFU is read against);
 # 2. train.py's main job (digits) in bf16 on one rank over NCCL, with its torch.cuda memory figures;
 # 3. the activation-checkpointing policies under ZeRO-3 in bf16 (none, selective, full, and offload, which
@@ -11,8 +11,9 @@
 #    (ds_configs/zero3pp.json, CUDA kernels): 20 steps each, the last loss beside `none`'s;
 # 4. the gpu-small benchmark suite (ViT-L/16, one GPU, one repeat: FSDP2 and ZeRO-3 at none, selective and full,
 #    ZeRO-2 at none and selective): a check of the harness, not a result; its planner.md holds plan.py's bf16
-#    predictions against torch.cuda.max_memory_allocated for each row, and traces/ a torch.profiler CUDA trace
-#    of one warm step per configuration.
+#    predictions against torch.cuda.max_memory_allocated for each row and its step times calibrated on the GPU
+#    at the suite's start (environment.json: the replayed operators' rates, and any that did not replay), and
+#    traces/ a torch.profiler CUDA trace of one warm step per configuration.
 # Each step has its own time limit, so one that hangs leaves the others' figures.
 set -uo pipefail
 cd "$(dirname "$0")/.."
