@@ -48,8 +48,8 @@ def cluster_args(argv):
                              "bandwidth at this micro-batch, the memory and, under torchrun, the all-gather "
                              "bandwidth) and write it to JSON")
     parser.add_argument("--calibration", metavar="JSON",
-                        help="plan one configuration with what --calibrate measured, in place of --mfu, --mbu, "
-                             "--device_mem_gbs and --intra_gbs")
+                        help="plan with what --calibrate measured, in place of --mfu, --mbu, --device_mem_gbs and "
+                             "--intra_gbs (a --global_batch search then tries only the calibrated micro-batch)")
     parser.add_argument("--validate", metavar="RESULTS_CSV",
                         help="compare predictions with a benchmark suite's measured rows (benchmarks/results/<suite>/)")
     return parser.parse_known_args(argv)
@@ -312,15 +312,12 @@ def main(argv=None):
         ds_for = lambda c: build_ds_config(c, hidden, a.world_size, precision, a.ranks_per_node,  # noqa: E731
                                            gpu=a.device != "cpu")
         mfu, mbu, rates = a.mfu or DEFAULT_MFU, a.mbu or DEFAULT_MBU, None
-        if a.calibration:
-            if a.global_batch:
-                raise ConfigError("a calibration holds one micro-batch's rates: plan one configuration with it "
-                                  "(no --global_batch)")
+        if a.calibration:  # one micro-batch's rates: a search with them tries only that micro-batch
             device, rates = calibrated(device, load_calibration(a.calibration, cfg, precision))
             mbu = 1.0  # measured
         if a.global_batch:
             found = search(cfg, ds_for, precision, a.world_size, a.ranks_per_node, device, a.global_batch, mfu,
-                           a.overlap, mbu=mbu)
+                           a.overlap, mbu=mbu, rates=rates)
             if not found:
                 smallest, with_offload = smallest_cluster(cfg, ds_for, precision, a.ranks_per_node, device)
                 raise ConfigError(

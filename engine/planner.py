@@ -249,13 +249,19 @@ def _blocks_of(prof):
 
 def search(cfg: Config, ds_config_for, precision: str, world_size: int, ranks_per_node: int, device: Device,
            global_batch: int, mfu: float = DEFAULT_MFU, overlap: float = 0.0, policies=None,
-           mbu: float = DEFAULT_MBU) -> list:
+           mbu: float = DEFAULT_MBU, rates=None) -> list:
     """Every (ZeRO stage, micro-batch, accumulation, ac policy) whose global batch is `global_batch` and whose
-    peak fits, fastest first. `ds_config_for(cfg)`: the DeepSpeed config of a candidate."""
+    peak fits, fastest first. `ds_config_for(cfg)`: the DeepSpeed config of a candidate. `rates`: a calibration
+    of cfg's micro-batch (estimate()), which then is the only micro-batch searched."""
     if global_batch % world_size:
         raise ConfigError(f"global batch {global_batch} is not a multiple of the world size {world_size}")
     per_rank = global_batch // world_size
     micro_batches = [m for m in (2**i for i in range(0, 13)) if per_rank % m == 0] or [1]
+    if rates:
+        if per_rank % cfg.micro_batch_size:
+            raise ConfigError(f"the calibrated micro-batch {cfg.micro_batch_size} does not divide the "
+                              f"{per_rank} images per rank of global batch {global_batch}")
+        micro_batches = [cfg.micro_batch_size]
     policies = policies or ("none", "selective", "full")
     base = profile(replace(cfg, micro_batch_size=PROFILE_BATCH), _target(device), DTYPES[precision])
     found = []
@@ -271,7 +277,7 @@ def search(cfg: Config, ds_config_for, precision: str, world_size: int, ranks_pe
                 candidate = replace(cfg, zero_stage=stage, micro_batch_size=micro,
                                     grad_accum_steps=per_rank // micro, ac=ac, ds_config=template)
                 est = estimate(candidate, ds_config_for(candidate), precision, world_size, ranks_per_node, device,
-                               mfu, overlap, scaled, mbu)
+                               mfu, overlap, scaled, mbu, rates)
                 if est["fits"]:
                     found.append(est)
     # equal times (compute-bound either way): fewer accumulation steps, then the lower peak

@@ -120,7 +120,6 @@ def test_plan_vit_22b_on_1024_gpus(tmp_path):
     (["--device", "cpu"], "error: device cpu: give --device_tflops and --device_memory_gb"),
     (["--ac", "auto:0.001", "--model", "vit-base", "--image_size", 224], "error: ac 'auto:0.001'"),
     (["--calibrate", "calibration.json"], "error: calibrating bf16 needs the GPU it would run on"),
-    (["--calibration", "calibration.json", "--global_batch", 64], "error: a calibration holds one micro-batch's"),
     (["--calibration", "no-such-calibration.json"], "error: cannot read the calibration no-such-calibration.json"),
 ])
 def test_plan_bad_input_is_one_line(args, message, capsys, monkeypatch):
@@ -268,6 +267,13 @@ def test_calibrate_under_torchrun_and_plan_with_it(tmp_path):
     assert e["compute_s"] - optimizer_s == pytest.approx(sum(cal["replay_seconds"].values()), rel=1e-6)
     assert e["comm_s"] == pytest.approx(e["comm_bytes_per_step_per_rank"] / (cal["comm_gbs"] * 1e9), rel=1e-6)
     assert "as calibrated" in plan(*keys, *cluster, "--calibration", out).stdout
+    # a search with it tries the calibrated micro-batch only, every candidate charged at its rates
+    proc = plan(*keys, *cluster, "--calibration", out, "--global_batch", 8 * PROFILE_BATCH, "--json")
+    assert proc.returncode == 0, proc.stderr
+    found = json.loads(proc.stdout)["feasible"]
+    assert found and {f["micro_batch_size"] for f in found} == {PROFILE_BATCH}
+    assert all(f["calibrated"]["flops_per_s"] == cal["flops_per_s"] for f in found)
+    assert {f["zero_stage"] for f in found} == {1, 2, 3}
     proc = plan(*keys[:4], "--micro_batch_size", "8", *keys[6:], *cluster, "--calibration", out)
     assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1 and \
         proc.stderr.startswith(f"error: {out} calibrated another configuration: micro_batch_size {PROFILE_BATCH} (not 8)")
