@@ -232,7 +232,7 @@ def run_calibration(cfg, precision: str, out: str) -> int:
     import torch
     import torch.distributed as dist
 
-    from engine.distributed import exit_distributed, init_distributed
+    from engine.distributed import exit_distributed, flush_cpu_denormals, init_distributed
     from engine.planner import calibrate, slowest
 
     if precision != "fp32" and not torch.cuda.is_available():
@@ -240,6 +240,8 @@ def run_calibration(cfg, precision: str, out: str) -> int:
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
     device = init_distributed(int(os.environ.get("LOCAL_RANK", 0))) if launched else \
         torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        flush_cpu_denormals()  # as a run on CPU computes
     mine = calibrate(cfg, precision, device)
     per_rank = [None] * dist.get_world_size() if launched else [mine]
     if launched:

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from config import Config  # noqa: E402
 from engine import compat  # noqa: E402
-from engine.distributed import exit_distributed, init_distributed  # noqa: E402
+from engine.distributed import exit_distributed, flush_cpu_denormals, init_distributed  # noqa: E402
 from engine.memory import allocation_curve, fsdp2_memory_bytes, trace_events  # noqa: E402
 from engine.optim import lr_schedule, param_groups  # noqa: E402
 from engine.parallelize import apply_ac, build_engine, build_training_model, engine_config  # noqa: E402
@@ -213,6 +213,8 @@ def main():
         if cuda:
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if cuda else "gloo")
+        if not cuda:
+            flush_cpu_denormals()  # as init_distributed does for DeepSpeed
     cfg = run_config(spec)
 
     # CPU: the profiler's memory events are the only allocator record; GPU: the caching allocator's counters

@@ -44,7 +44,7 @@ def fsdp2_worker(argv):
     from data.loader import ShardStream, TrainLoader, eval_batches
     from data.shards import parse_spec
     from data.transforms import EvalTransform, Normalize, TrainTransform, mix_batch
-    from engine.distributed import dist_env, exit_distributed
+    from engine.distributed import dist_env, exit_distributed, flush_cpu_denormals
     from models import build_model
     from train import evaluate
 
@@ -53,6 +53,7 @@ def fsdp2_worker(argv):
         sys.exit("error: the FSDP2 worker steps once per micro-batch: grad_accum_steps must be 1")
     rank, world_size, _, _ = dist_env()
     dist.init_process_group("gloo")
+    flush_cpu_denormals()  # as train.py's init_distributed
     device = torch.device("cpu")
     train_sources, val_sources = parse_spec(cfg.train_shards, "train_shards"), parse_spec(cfg.val_shards, "val_shards")
     model, processor = build_model(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size,
