@@ -242,7 +242,15 @@ def run_calibration(cfg, precision: str, out: str) -> int:
         torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
         flush_cpu_denormals()  # as a run on CPU computes
-    mine = calibrate(cfg, precision, device)
+    from tqdm import tqdm
+
+    bar = tqdm(desc=f"replaying {cfg.model}'s operators", unit="op", disable=launched and dist.get_rank() != 0)
+
+    def progress(done: int, total: int):
+        bar.total = total
+        bar.update(done - bar.n)
+    mine = calibrate(cfg, precision, device, progress)
+    bar.close()
     per_rank = [None] * dist.get_world_size() if launched else [mine]
     if launched:
         dist.all_gather_object(per_rank, mine)

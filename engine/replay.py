@@ -118,9 +118,8 @@ def _materialise(spec, device):
 def stream_gbs(device: torch.device, n: int = 2**24, reps: int = 5) -> float:
     """GB/s of an elementwise add over 64 MiB fp32 tensors (two read, one written): the bandwidth a streaming
     memory-bound operator reaches on `device` (the median of `reps`)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     a, b, c = (torch.randn(n, device=device) for _ in range(3))
-    return 3 * 4 * n / _time(lambda: torch.add(a, b, out=c), sync, reps) / 1e9
+    return 3 * 4 * n / _time(lambda: torch.add(a, b, out=c), _sync(device), reps) / 1e9
 
 
 def collective_gbs(device: torch.device, n: int = 2**24, reps: int = 5) -> float:
@@ -132,14 +131,18 @@ def collective_gbs(device: torch.device, n: int = 2**24, reps: int = 5) -> float
     if not dist.is_initialized() or dist.get_world_size() < 2:
         return 0.0
     world = dist.get_world_size()
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     part = torch.randn(n // world, device=device)
     whole = torch.empty(part.numel() * world, device=device)
 
     def gather():
         dist.barrier()
         dist.all_gather_into_tensor(whole, part)
-    return (world - 1) / world * 4 * whole.numel() / _time(gather, sync, reps) / 1e9
+    return (world - 1) / world * 4 * whole.numel() / _time(gather, _sync(device), reps) / 1e9
+
+
+def _sync(device: torch.device):
+    """What waits for `device`'s queued work: CUDA runs operators asynchronously, the CPU as they are called."""
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
 
 def _time(fn, sync, reps: int) -> float:
@@ -162,7 +165,7 @@ def _time(fn, sync, reps: int) -> float:
 def replay(counts: Counter, device: torch.device, reps: int = 5, progress=None) -> Replay:
     """Time every recorded operator on `device`, without autograd (its backward operators were recorded as
     themselves). `progress(done, total)` after each."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = _sync(device)
     result, failed = Replay(distinct_ops=len(counts)), []
     for i, ((func, arg_specs, kwarg_specs, backward, flops, moved), n) in enumerate(counts.items()):
         try:
