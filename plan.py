@@ -240,8 +240,8 @@ def run_calibration(cfg, precision: str, out: str) -> int:
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
     device = init_distributed(int(os.environ.get("LOCAL_RANK", 0))) if launched else \
         torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu":
-        flush_cpu_denormals()  # as a run on CPU computes
+    if not launched and device.type == "cpu":
+        flush_cpu_denormals()  # as init_distributed does for a launch
     from tqdm import tqdm
 
     bar = tqdm(desc=f"replaying {cfg.model}'s operators", unit="op", disable=launched and dist.get_rank() != 0)

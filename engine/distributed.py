@@ -64,7 +64,7 @@ def wait_for_master(addr: str, port: int, timeout_s: float):
 def flush_cpu_denormals():
     """Compute on the CPU with denormal floats flushed to zero, as GPUs' bf16 paths do. Swin's shifted windows
     add -100 to masked attention logits, so about half its attention probabilities underflow to denormals,
-    which x86 multiplies an order of magnitude slower (a Swin-T attention matmul: 18x); values below 1.2e-38
+    which x86 multiplies an order of magnitude slower; values below 1.2e-38
     are far below anything fp32 training resolves. Every CPU run and benchmark job calls it, on every engine."""
     torch.set_flush_denormal(True)
 

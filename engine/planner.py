@@ -332,12 +332,13 @@ def validate(results_csv: str, mfu: float = 1.0, intra_gbs: float = 10.0, save: 
     mem_gbs = env.get("mem_gbs_per_rank") or statistics.median(memory_gbs(threads))
     calibrations, sources = dict(env.get("calibration") or {}), {}
     sources.update((shape, "measured in the run") for shape in calibrations)
-    later = os.path.join(folder, "calibration.json")
+    later, saved = os.path.join(folder, "calibration.json"), {}
     if os.path.exists(later):
         with open(later) as f:
-            for shape, c in json.load(f).items():
-                if shape not in calibrations:
-                    calibrations[shape], sources[shape] = c, f"measured at validation on {c['date']}"
+            saved = json.load(f)
+    for shape, c in saved.items():
+        if shape not in calibrations:
+            calibrations[shape], sources[shape] = c, f"measured at validation on {c['date']}"
     added = {}
     out = []
     for row in rows:
@@ -378,10 +379,6 @@ def validate(results_csv: str, mfu: float = 1.0, intra_gbs: float = 10.0, save: 
                     "calibration_source": sources[row["shape"]],
                     "calibration_failed_ops": len(calibration["failed_ops"])})
     if save and added:
-        saved = {}
-        if os.path.exists(later):
-            with open(later) as f:
-                saved = json.load(f)
         with open(later, "w") as f:
             json.dump({**saved, **added}, f, indent=1)
     return out

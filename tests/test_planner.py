@@ -157,7 +157,8 @@ def test_validate_predicts_the_cpu_suite_within_its_targets():
     """plan.py --validate on the committed cpu suite: every DeepSpeed row is predicted from its configuration
     alone (meta device). Every peak is within ±10% of the measured one; on ViT-S, where the peak is not late in
     the backward, the prediction is the very peak the run planned with on the real model. The step times
-    calibrated for each shape (measured now: the suite predates calibration) are closer than the assumed ones."""
+    calibrated for each shape (calibration.json beside the suite, which predates calibration) are closer than the
+    assumed ones."""
     import csv
 
     proc = plan("--validate", "benchmarks/results/cpu/results.csv", "--json")
