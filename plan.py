@@ -203,8 +203,13 @@ def calibration_table(rows: list) -> str:
              "all-gather GB/s per rank | source |", "|---|---|---|---|---|---|---|"]
     for shape in dict.fromkeys(r["shape"] for r in rows):
         r = next(r for r in rows if r["shape"] == shape)
-        c = r["calibration"]
-        lines.append(f"| {shape} | {c['flops_per_s'] / 1e9:.1f} | {c['bytes_per_s'] / 1e9:.1f} | "
+        c, samples = r["calibration"], r.get("calibration_samples") or []
+
+        def rate(key):  # the rate used, and the range of the samples it is the median of
+            values = [x[key] / 1e9 for x in samples]
+            return f"{c[key] / 1e9:.1f}" + (f" ({min(values):.1f}-{max(values):.1f})" if len(values) > 1 else "")
+
+        lines.append(f"| {shape} | {rate('flops_per_s')} | {rate('bytes_per_s')} | "
                      f"{r['calibration_failed_ops']} | {c['stream_gbs']:.1f} | "
                      f"{c['comm_gbs']:.2f} | {r['calibration_source']} |")
     return "\n".join(lines)
@@ -220,7 +225,8 @@ def write_validation(results_dir: str, suite_name: str):
                 f"`python plan.py --validate {os.path.relpath(results_dir)}/results.csv`. Two step times per row:\n\n"
                 f"- **calibrated**: what `plan.py --calibrate` measured for the shape with every rank running (the "
                 f"model's own operators replayed forward and backward at the micro-batch, the optimizer's streaming "
-                f"bandwidth, the all-gather bandwidth between the ranks), in the planner's step model;\n"
+                f"bandwidth, the all-gather bandwidth between the ranks), in the planner's step model; a suite "
+                f"calibrates at the start of each repeat and uses the median (the range in brackets);\n"
                 f"- **assumed**: every FLOP at the 2048^3 GEMM rate measured in the run, memory-bound operators at "
                 f"a streaming add's bandwidth, the collectives at 10 GB/s.\n\n"
                 f"{calibration_table(rows) if rows else ''}\n\n{validation_table(rows)}\n")

@@ -741,19 +741,23 @@ def main(argv=None):
         os.remove(os.path.join(out_dir, "failed.log"))
     started = time.perf_counter()
     gemm = gemm_gflops(threads) if not torch.cuda.is_available() else gpu_peak_gflops()
-    calibrations = {}  # what the planner's step time is computed from, per shape (plan.py --calibrate)
-    for shape in tqdm(suite.shapes, desc="calibrating the planner", dynamic_ncols=True):
-        try:
-            calibrations[shape.label] = calibrate(shape.model, shape.image_size, shape.patch_size,
-                                                  shape.micro_batch_size, 10, suite.ranks, threads,
-                                                  "bf16" if torch.cuda.is_available() else "fp32")
-        except (RuntimeError, subprocess.TimeoutExpired) as e:  # plan.py --validate measures it later instead
-            print(f"warning: {str(e).splitlines()[0]}", file=sys.stderr)
+    # what the planner's step time is computed from, per shape (plan.py --calibrate), measured at the start of
+    # every repeat, as the jobs are: the machine's speed drifts over a suite
+    calibrations = {shape.label: [] for shape in suite.shapes}
     jobs = [(shape, run) for shape in suite.shapes for run in runs_of(suite, shape)]
     results, measured, budgets = [], {}, {}
-    bar = tqdm(total=len(jobs) * suite.repeats, desc=args.suite, dynamic_ncols=True)
+    bar = tqdm(total=(len(jobs) + len(suite.shapes)) * suite.repeats, desc=args.suite, dynamic_ncols=True)
     with open(os.path.join(out_dir, "runs.jsonl"), "w") as log:
         for repeat in range(suite.repeats):
+            for shape in suite.shapes:
+                bar.set_postfix_str(f"calibrating the planner for {shape.model}")
+                try:
+                    calibrations[shape.label].append(calibrate(
+                        shape.model, shape.image_size, shape.patch_size, shape.micro_batch_size, 10, suite.ranks,
+                        threads, "bf16" if torch.cuda.is_available() else "fp32"))
+                except (RuntimeError, subprocess.TimeoutExpired) as e:  # plan.py --validate measures it instead
+                    print(f"warning: {str(e).splitlines()[0]}", file=sys.stderr)
+                bar.update()
             for shape, run in (jobs if repeat % 2 == 0 else jobs[::-1]):  # alternating order
                 budget = None
                 if run.ac.startswith("auto:"):
@@ -773,15 +777,17 @@ def main(argv=None):
             if not torch.cuda.is_available():
                 gemm += gemm_gflops(threads)  # the peak, re-measured between repeats: the machine drifts
     bar.close()
+    from engine.planner import median_calibration
+
     return report(out_dir, args.suite, suite, results, gemm, threads, (time.perf_counter() - started) / 60,
-                  args.compare, calibrations=calibrations)
+                  args.compare, calibrations={k: median_calibration(v) for k, v in calibrations.items() if v})
 
 
 def report(out_dir: str, suite_name: str, suite: Suite, results: list, gemm: list, threads: int, minutes: float,
            compare_to: str = "", saved_env: dict = None, calibrations: dict = None) -> int:
     """Write results.csv/.md, environment.json and pareto.png; `saved_env`: the runs' own environment (a report
     rewritten later keeps the date, commit and versions of the runs); `calibrations`: the planner's, per shape,
-    measured at the start of the run."""
+    the median of those measured at the start of each repeat."""
     flops = {s.label: model_flops_per_image(s) for s in suite.shapes}
     env = {k: v for k, v in saved_env.items() if k not in ("suite", "minutes", "model_flops_per_image")} \
         if saved_env else dict(environment(threads, gemm), calibration=calibrations or {})

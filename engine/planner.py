@@ -117,6 +117,14 @@ def slowest(per_rank: list) -> dict:
             "per_rank": [{k: r[k] for k in (*rates, "replay_seconds")} for r in per_rank]}
 
 
+def median_calibration(samples: list) -> dict:
+    """One calibration from several of the same shape, measured at different times (a suite's repeats): the
+    sample whose replay took the median time, whole (its rates belong together), with every sample's rates."""
+    ranked = sorted(samples, key=lambda c: sum(c["replay_seconds"].values()))
+    rates = ("flops_per_s", "bytes_per_s", "stream_gbs", "comm_gbs")
+    return {**ranked[(len(ranked) - 1) // 2], "samples": [{k: c[k] for k in rates} for c in samples]}
+
+
 def calibrated(device: Device, calibration: dict) -> tuple[Device, dict]:
     """(the device with the calibration's measured bandwidths, the model's operator rates for estimate())."""
     device = replace(device, mem_gbs=calibration["stream_gbs"],
@@ -331,7 +339,8 @@ def validate(results_csv: str, mfu: float = 1.0, intra_gbs: float = 10.0, save: 
     # the memory bandwidth measured in the same run, or (older runs) now, on this machine
     mem_gbs = env.get("mem_gbs_per_rank") or statistics.median(memory_gbs(threads))
     calibrations, sources = dict(env.get("calibration") or {}), {}
-    sources.update((shape, "measured in the run") for shape in calibrations)
+    sources.update((shape, f"median of {len(c['samples'])} measured in the run" if c.get("samples")
+                    else "measured in the run") for shape, c in calibrations.items())
     later, saved = os.path.join(folder, "calibration.json"), {}
     if os.path.exists(later):
         with open(later) as f:
@@ -376,6 +385,7 @@ def validate(results_csv: str, mfu: float = 1.0, intra_gbs: float = 10.0, save: 
                     else "measured at validation",
                     "calibration": {k: calibration[k] for k in ("flops_per_s", "bytes_per_s", "stream_gbs",
                                                                 "comm_gbs")},
+                    "calibration_samples": calibration.get("samples", []),
                     "calibration_source": sources[row["shape"]],
                     "calibration_failed_ops": len(calibration["failed_ops"])})
     if save and added:

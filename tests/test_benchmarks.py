@@ -38,10 +38,13 @@ def test_cpu_smoke_suite(tmp_path):
     assert all(max(r["forward_weight_bytes"]) == 0 for r in runs if r["run"] == "ZeRO-1 + none")
     # recompute FLOPs are counted, not assumed: full recompute repeats the blocks' forward
     assert float(rows["ZeRO-3 + full"]["recompute_flops_frac"]) > 0.1
-    # the planner was calibrated for the shape at the start of the run, and its predictions use that calibration
+    # the planner was calibrated for the shape at the start of each repeat, and its predictions use the median
     calibration = json.load(open(tmp_path / "environment.json"))["calibration"]
-    assert len(calibration) == 1 and next(iter(calibration.values()))["ranks"] == 2
-    assert "| measured in the run |" in (tmp_path / "planner.md").read_text()
+    assert len(calibration) == 1
+    chosen = next(iter(calibration.values()))
+    assert chosen["ranks"] == 2 and len(chosen["samples"]) == 2
+    assert {k: chosen[k] for k in chosen["samples"][0]} in chosen["samples"]
+    assert "| median of 2 measured in the run |" in (tmp_path / "planner.md").read_text()
     assert float(rows["ZeRO-3 + none"]["recompute_flops_frac"]) == 0.0
     assert all(0 < float(r["mfu"]) < 1 for r in rows.values())
     # the auto budget came from this invocation's own ZeRO-3 full and none peaks
