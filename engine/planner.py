@@ -140,15 +140,19 @@ def _target(device: "Device") -> str:
 def comm_bytes(n_params: int, zero_stage: int, grad_accum: int, world_size: int, ranks_per_node: int,
                weight_bytes: int, zero: dict) -> tuple[float, float]:
     """(bytes within a node, bytes between nodes) each rank sends per optimizer step, ring collectives moving
-    (N-1)/N of each tensor (Rajbhandari et al. 2020). ZeRO-1 reduce-scatters the gradients once and all-gathers
-    the updated weights; ZeRO-2 reduce-scatters after every micro-batch (it keeps only its gradient partition);
-    ZeRO-3 also all-gathers the weights in the forward and again in the backward of every micro-batch. Gradients
-    travel in the weights' precision. ZeRO++ (Wang et al. 2023): qwZ gathers int8 weights (1 byte), hpZ gathers
+    (N-1)/N of each tensor (Rajbhandari et al. 2020). ZeRO-1 reduces the gradients once and all-gathers the
+    updated weights; ZeRO-2 reduces after every micro-batch (it keeps only its gradient partition). DeepSpeed
+    reduces by all-reducing each bucket and keeping its partition (`use_multi_rank_bucket_allreduce`, on by
+    default), twice a reduce-scatter's bytes, and otherwise by reducing each partition to its owner. ZeRO-3
+    reduce-scatters the gradients after every micro-batch and all-gathers the weights in its forward and again
+    in its backward. Gradients travel in the weights' precision. ZeRO++ (Wang et al. 2023): qwZ gathers int8 weights (1 byte), hpZ gathers
     the backward's weights from a secondary partition within the node, qgZ reduces int4 gradients (0.5 byte)."""
     share = (world_size - 1) / world_size if world_size > 1 else 0.0
     multi_node = world_size > ranks_per_node
     if zero_stage in (1, 2):
-        total = (2 if zero_stage == 1 else grad_accum + 1) * n_params * weight_bytes * share
+        per_reduction = 2 if zero.get("use_multi_rank_bucket_allreduce", True) else 1
+        reductions = 1 if zero_stage == 1 else grad_accum
+        total = (reductions * per_reduction + 1) * n_params * weight_bytes * share
         return (0.0, total) if multi_node else (total, 0.0)
     hpz = zero.get("zero_hpz_partition_size", 1)
     hpz = hpz if isinstance(hpz, int) and hpz > 1 else 1

@@ -60,15 +60,25 @@ for name in ("vit-debug", "swin-debug"):
             results["compat"]["zero3_linear_replaced"] = torch.nn.functional.linear is compat._zero3_linear
         torch.manual_seed(1)  # once: drop path draws the same numbers whatever the policy
         losses = []
+        # ZeRO-1/2 (vit-debug, `none`): the last step's collectives, through DeepSpeed's own comms logger
+        logged = stage in (1, 2) and name == "vit-debug" and ac == "none"
         for step in range(4):
             g = torch.Generator().manual_seed(100 * step + rank)
             x, y = torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
+            if logged and step == 3:
+                deepspeed.comm.configure(enabled=True, prof_all=True)
             # every step's forward and backward counted (recompute included); the last step's counter is kept
             with compat.flop_counter() as counter:
                 loss = F.cross_entropy(engine(x).logits, y)
                 engine.backward(loss)
             engine.step()
             losses.append(loss.item())
+        if logged:  # {collective: bytes of its tensor argument, summed over its calls}
+            deepspeed.comm.configure(enabled=False)
+            raw = deepspeed.comm.comm.comms_logger.get_raw_data()
+            results["compat"]["zero_collectives"] = {
+                "params": sum(p.numel() for p in engine.module.parameters()), "zero": ds["zero_optimization"],
+                "bytes": {op: sum(size * v[0] for size, v in sizes.items()) for op, sizes in raw.items()}}
         params = list(engine.module.parameters())
         with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
             flat = torch.cat([p.detach().flatten() for p in params]).double()

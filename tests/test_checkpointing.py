@@ -44,6 +44,18 @@ def test_every_policy_matches_none_bitwise_under_zero(stage, tmp_path):
     # what engine/compat.py relies on in DeepSpeed: its CPU all-reduce buffer under the name it computes, and
     # (ZeRO-3) DeepSpeed's process-wide linear, which it replaces
     assert compat_found["shm_released"] is True
+    if stage in (1, 2):
+        # what the planner charges ZeRO-1/2 for a step's communication is what DeepSpeed sent: it all-reduces
+        # the gradients (2(N-1)/N of each bucket per rank) and all-gathers the updated weights ((N-1) times
+        # each rank's partition); a scalar all-reduce or two (the gradient norm) aside
+        from engine.planner import comm_bytes
+
+        logged = compat_found["zero_collectives"]
+        sent = logged["bytes"]
+        assert set(sent) <= {"all_reduce", "all_gather_into_tensor"}, sent
+        measured = sent["all_reduce"] * 2 * (1 / 2) + sent["all_gather_into_tensor"] * (2 - 1)
+        intra, inter = comm_bytes(logged["params"], stage, 1, 2, 2, 4, logged["zero"])
+        assert inter == 0 and measured == pytest.approx(intra, rel=0.01)
     if stage == 3:
         assert compat_found["zero3_linear_replaced"] is True
         # partitioned construction: every policy above ran on a model built inside deepspeed.zero.Init (its
