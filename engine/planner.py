@@ -145,8 +145,9 @@ def comm_bytes(n_params: int, zero_stage: int, grad_accum: int, world_size: int,
     reduces by all-reducing each bucket and keeping its partition (`use_multi_rank_bucket_allreduce`, on by
     default), twice a reduce-scatter's bytes, and otherwise by reducing each partition to its owner. ZeRO-3
     reduce-scatters the gradients after every micro-batch and all-gathers the weights in its forward and again
-    in its backward. Gradients travel in the weights' precision. ZeRO++ (Wang et al. 2023): qwZ gathers int8 weights (1 byte), hpZ gathers
-    the backward's weights from a secondary partition within the node, qgZ reduces int4 gradients (0.5 byte)."""
+    in its backward. Gradients travel in the weights' precision. ZeRO++ (Wang et al. 2023): qwZ gathers int8
+    weights (1 byte), hpZ gathers the backward's weights from a secondary partition within the node, qgZ
+    reduces int4 gradients (0.5 byte)."""
     share = (world_size - 1) / world_size if world_size > 1 else 0.0
     multi_node = world_size > ranks_per_node
     if zero_stage in (1, 2):

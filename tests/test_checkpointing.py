@@ -53,8 +53,9 @@ def test_every_policy_matches_none_bitwise_under_zero(stage, tmp_path):
         logged = compat_found["zero_collectives"]
         sent = logged["bytes"]
         assert set(sent) <= {"all_reduce", "all_gather_into_tensor"}, sent
-        measured = sent["all_reduce"] * 2 * (1 / 2) + sent["all_gather_into_tensor"] * (2 - 1)
-        intra, inter = comm_bytes(logged["params"], stage, 1, 2, 2, 4, logged["zero"])
+        world = 2
+        measured = sent["all_reduce"] * 2 * (world - 1) / world + sent["all_gather_into_tensor"] * (world - 1)
+        intra, inter = comm_bytes(logged["params"], stage, 1, world, world, 4, logged["zero"])
         assert inter == 0 and measured == pytest.approx(intra, rel=0.01)
     if stage == 3:
         assert compat_found["zero3_linear_replaced"] is True
