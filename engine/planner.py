@@ -85,6 +85,7 @@ def profile(cfg: Config, device_type: str, dtype: torch.dtype = torch.float32):
 
 
 CALIBRATION_KEYS = ("model", "image_size", "patch_size", "micro_batch_size", "precision")
+CALIBRATION_RATES = ("flops_per_s", "bytes_per_s", "stream_gbs", "comm_gbs")  # the rates a plan takes from it
 
 
 def calibrate(cfg: Config, precision: str, device: torch.device, progress=None) -> dict:
@@ -111,18 +112,16 @@ def calibrate(cfg: Config, precision: str, device: torch.device, progress=None) 
 def slowest(per_rank: list) -> dict:
     """One calibration from every rank's (a step waits for the slowest rank at every collective): the replay of
     the rank that took longest, the lowest streaming and all-gather bandwidths, and each rank's figures."""
-    rates = ("flops_per_s", "bytes_per_s", "stream_gbs", "comm_gbs")
     slow = max(per_rank, key=lambda r: sum(r["replay_seconds"].values()))
     return {**slow, **{k: min(r[k] for r in per_rank) for k in ("stream_gbs", "comm_gbs")}, "ranks": len(per_rank),
-            "per_rank": [{k: r[k] for k in (*rates, "replay_seconds")} for r in per_rank]}
+            "per_rank": [{k: r[k] for k in (*CALIBRATION_RATES, "replay_seconds")} for r in per_rank]}
 
 
 def median_calibration(samples: list) -> dict:
     """One calibration from several of the same shape, measured at different times (a suite's repeats): the
     sample whose replay took the median time, whole (its rates belong together), with every sample's rates."""
     ranked = sorted(samples, key=lambda c: sum(c["replay_seconds"].values()))
-    rates = ("flops_per_s", "bytes_per_s", "stream_gbs", "comm_gbs")
-    return {**ranked[(len(ranked) - 1) // 2], "samples": [{k: c[k] for k in rates} for c in samples]}
+    return {**ranked[(len(ranked) - 1) // 2], "samples": [{k: c[k] for k in CALIBRATION_RATES} for c in samples]}
 
 
 def calibrated(device: Device, calibration: dict) -> tuple[Device, dict]:
@@ -388,8 +387,7 @@ def validate(results_csv: str, mfu: float = 1.0, intra_gbs: float = 10.0, save: 
                     "step_assumed": assumed["step_s"], "step_error_assumed": assumed["step_s"] / step_s - 1,
                     "mem_gbs": mem_gbs, "mem_gbs_source": "measured in the run" if env.get("mem_gbs_per_rank")
                     else "measured at validation",
-                    "calibration": {k: calibration[k] for k in ("flops_per_s", "bytes_per_s", "stream_gbs",
-                                                                "comm_gbs")},
+                    "calibration": {k: calibration[k] for k in CALIBRATION_RATES},
                     "calibration_samples": calibration.get("samples", []),
                     "calibration_source": sources[row["shape"]],
                     "calibration_failed_ops": len(calibration["failed_ops"])})
