@@ -1,4 +1,5 @@
 # make train: set up (.venv, install, digits shards) and run the main job. make test: set up and run the tests.
+# make device-rehearsal: the GPU machine's stack on this CPU (benchmarks/device/rehearse.sh), before any GPU call.
 # Both are idempotent: a second call reuses the environment, the shards and (train) the finished run.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
@@ -9,7 +10,7 @@ THREADS = $(shell echo $$(( $$(nproc) / $(NPROC) > 0 ? $$(nproc) / $(NPROC) : 1 
 # no GPU: DeepSpeed's CPU accelerator, named so that every process does not warn that it found no GPU
 ACCEL = $(shell $(PY) -c "import torch; print('' if torch.cuda.is_available() else 'cpu')")
 
-.PHONY: train test data clean
+.PHONY: train test data clean wheels device-rehearsal
 train: $(VENV)/.installed data
 	OMP_NUM_THREADS=$(THREADS) $(if $(ACCEL),DS_ACCELERATOR=$(ACCEL)) $(VENV)/bin/deepspeed --log_level error --num_gpus $(NPROC) \
 		train.py --config configs/digits-vit.yaml --resume latest
@@ -18,6 +19,13 @@ test: $(VENV)/.installed data
 	$(PY) -m pytest -q tests
 
 data: data/digits/_info.json
+
+# the GPU machine (benchmarks/device/): .whl/, the packages it lacks; the rehearsal of its stack on this CPU
+wheels: $(VENV)/.installed
+	bash benchmarks/device/wheels.sh
+
+device-rehearsal: $(VENV)/.installed data
+	bash benchmarks/device/rehearse.sh
 
 $(VENV)/.installed: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,4 +36,4 @@ data/digits/_info.json: $(VENV)/.installed data/make_shards.py
 	$(PY) data/make_shards.py digits data/digits
 
 clean:
-	rm -rf $(VENV) data/digits runs
+	rm -rf $(VENV) .venv-device .whl data/digits runs

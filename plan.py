@@ -216,10 +216,13 @@ def calibration_table(rows: list) -> str:
 
 
 def write_validation(results_dir: str, suite_name: str):
-    """planner.md beside a benchmark suite's results.csv: the predictions for its rows and their errors."""
+    """planner.md (and planner.json) beside a benchmark suite's results.csv: the predictions for its rows and their
+    errors."""
     from engine.planner import validate
 
     rows = validate(os.path.join(results_dir, "results.csv"), save=True)
+    with open(os.path.join(results_dir, "planner.json"), "w") as f:  # the same rows, for programs to read
+        json.dump(rows, f, indent=1)
     with open(os.path.join(results_dir, "planner.md"), "w") as f:
         f.write(f"# {suite_name}: plan.py's predictions against these measurements\n\n"
                 f"`python plan.py --validate {os.path.relpath(results_dir)}/results.csv`. Two step times per row:\n\n"

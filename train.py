@@ -41,6 +41,7 @@ from engine.ema import EMA
 from engine.optim import frozen_names
 from engine.parallelize import build_engine, build_training_model, engine_config
 from engine.planner import meta_model
+from engine.timing import clock
 from models import model_config
 from models.checkpointing import check_policy
 
@@ -386,7 +387,7 @@ def main(argv=None):
     bad_in_a_row = bad_total = 0
     for step in range(start_step + 1, cfg.max_steps + 1):
         heartbeat.beat(f"step {step}")
-        step_start, data_wait = time.perf_counter(), 0.0
+        step_start, data_wait = clock(device), 0.0
         lr = engine.get_lr()[0]
         # one profiled step per run on CPU: its peak allocation is the CPU counterpart of the GPU allocator's peak
         profiler = None
@@ -420,11 +421,11 @@ def main(argv=None):
         if profiler is not None:
             profiler.__exit__(None, None, None)
             before, peak, _ = memory_trace(prof)
-        dist.all_reduce(sums)  # also synchronises, so the step time below is complete
+        dist.all_reduce(sums)
+        step_seconds = clock(device) - step_start  # on GPUs, once the step's kernels and collectives are done
         step_loss = sums[0].item() / (cfg.grad_accum_steps * world_size)
         data_totals += sums[1:3]
         preempted = sums[3].item() > 0
-        step_seconds = time.perf_counter() - step_start
         if step > start_step + 1 and profiler is None:  # step 1 allocates buffers and starts workers
             timed_images, timed_seconds = timed_images + images_per_step, timed_seconds + step_seconds
         grad_norm = engine.get_global_grad_norm()

@@ -14,8 +14,8 @@
      GPUs, torch.cuda's allocator counters;
   2. stops the profiler and, with `count_flops`, runs one step under torch's FLOP counter (the FLOPs the
      hardware executes, recompute included; not under the profiler, whose memory it would change);
-  3. runs `warmup_steps` untimed steps, then times `timed_steps` further steps with perf_counter, each ended
-     by an all-reduce of the loss.
+  3. runs `warmup_steps` untimed steps, then times `timed_steps` further steps, each ended by an all-reduce
+     of the loss and read on engine.timing's clock (on GPUs, after the device has finished the step).
 Every engine sees the same initial weights and the same batches (random images drawn from the seed, the
 rank and the step), so the losses agree across engines up to fp32 summation order.
 """
@@ -26,7 +26,6 @@ import json
 import os
 import resource
 import sys
-import time
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +39,7 @@ from engine.distributed import exit_distributed, flush_cpu_denormals, init_distr
 from engine.memory import allocation_curve, fsdp2_memory_bytes, trace_events  # noqa: E402
 from engine.optim import lr_schedule, param_groups  # noqa: E402
 from engine.parallelize import apply_ac, build_engine, build_training_model, engine_config  # noqa: E402
+from engine.timing import clock  # noqa: E402
 from models import build_model, find_blocks, model_config  # noqa: E402
 
 
@@ -251,7 +251,7 @@ def main():
         traced = step in traced_steps and step > spec.profiled_steps  # not under the memory profiler
         timeline = profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) if traced \
             else contextlib.nullcontext()
-        start = time.perf_counter()
+        start = clock(device)
         with timeline, counter, record_function(f"bench/step{step}"):
             if step == spec.profiled_steps:
                 weights_before = step_fn.gathered_weight_bytes()
@@ -267,7 +267,7 @@ def main():
             hardware_flops = counter.get_total_flops()
         loss = loss.detach()
         dist.all_reduce(loss)  # also the end of the step on every rank
-        times.append(time.perf_counter() - start)
+        times.append(clock(device) - start)  # on GPUs, once the step's kernels and the all-reduce are done
         losses.append(loss.item() / world_size)
 
     if cuda:  # activation and per-step figures need the CPU profiler's timeline: not recorded on GPU

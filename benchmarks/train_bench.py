@@ -4,7 +4,7 @@ plain PyTorch FSDP2 with Hugging Face's own checkpointing. One command per suite
     .venv/bin/python benchmarks/train_bench.py --suite cpu-smoke   # ~80 s: checks the harness (a test runs it)
     .venv/bin/python benchmarks/train_bench.py --suite cpu         # ~60 min on 2 cores: the committed results
     .venv/bin/python benchmarks/train_bench.py --suite gpu         # one 8-GPU node, bf16 (not run here)
-    .venv/bin/python benchmarks/train_bench.py --suite gpu-small   # one GPU, ViT-L, one repeat: a check
+    .venv/bin/python benchmarks/train_bench.py --suite gpu-check   # one GPU, ViT-L, one repeat (gpu_check.sh)
     .venv/bin/python benchmarks/train_bench.py --suite cpu --out /tmp/rerun --compare benchmarks/results/cpu
                                                                    # a rerun, checked against the committed one
 
@@ -133,12 +133,16 @@ SUITES = {
                     *same_policy(["selective", "full", "hierarchical", "auto:race"]),
                     *zero(2, "none", "selective")]},
         repeats=3, profiled_steps=3, timed_steps=10, ranks=8, targets_shape="vit-large"),
-    # the gpu suite's first shape on one GPU, once: checks the harness's GPU path in ~3 minutes (gpu_check.sh)
-    "gpu-small": Suite(
+    # what benchmarks/gpu_check.sh measures on one GPU, once: each engine at each fixed policy on ViT-L/16
+    # (its planned micro-batch: --micro_batch_size), and the same runs on a tiny model on CPU for its smoke mode
+    "gpu-check": Suite(
         shapes=[Shape("vit-large", 224, 16, 32, "ViT-L/16, 224x224, batch 32 per GPU")],
-        runs={"*": [fsdp2("none"), fsdp2("hf:full"), *zero(2, "none", "selective"), *zero(3, "none"),
-                    *same_policy(["selective", "full"]), *zero(3, "auto:race")]},
-        repeats=1, profiled_steps=3, warmup_steps=1, timed_steps=10, ranks=1, timeout_s=240, targets_shape="vit-large"),
+        runs={"*": [*same_policy(["none", "selective", "full"]), *zero(2, "none", "selective", "full")]},
+        repeats=1, profiled_steps=2, warmup_steps=1, timed_steps=8, ranks=1, timeout_s=120, targets_shape="vit-large"),
+    "gpu-check-smoke": Suite(
+        shapes=[Shape("vit-debug", 16, 0, 8, "vit-debug, 16x16, batch 8 per rank")],
+        runs={"*": [*same_policy(["none", "selective", "full"]), *zero(2, "none", "selective", "full")]},
+        repeats=1, profiled_steps=2, warmup_steps=1, timed_steps=2, ranks=1, timeout_s=120, targets_shape="vit-debug"),
 }
 
 
@@ -195,23 +199,30 @@ def calibrate(model: str, image_size: int, patch_size: int, micro_batch_size: in
             return json.load(f)
 
 
-# dense bf16 peak per GPU (TFLOP/s, without sparsity), from the vendors' data sheets
+# dense bf16 peak per GPU (TFLOP/s, without sparsity), from the vendors' data sheets: reported beside the measured one
 GPU_BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "B200": 2250.0, "L40S": 362.0}
 
 
-def gpu_peak_gflops() -> list:
-    name = torch.cuda.get_device_name()
-    for key, tflops in GPU_BF16_PEAK_TFLOPS.items():
-        if key in name:
-            return [tflops * 1e3]
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)  # unknown GPU: measure instead
-    a @ a
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(10):
+def gpu_peak_gflops(n: int = 8192, reps: int = 5) -> list:
+    """bf16 GEMM rate of this GPU, measured now: the peak MFU is read against (the data sheet's beside it)."""
+    from engine.timing import clock
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
         a @ a
-    torch.cuda.synchronize()
-    return [10 * 2 * 8192**3 / (time.perf_counter() - start) / 1e9]
+    rates = []
+    for _ in range(reps):
+        start = clock(device)
+        for _ in range(10):
+            a @ a
+        rates.append(10 * 2 * n**3 / (clock(device) - start) / 1e9)
+    return rates
+
+
+def datasheet_gflops() -> float | None:
+    name = torch.cuda.get_device_name()
+    return next((tflops * 1e3 for key, tflops in GPU_BF16_PEAK_TFLOPS.items() if key in name), None)
 
 
 def model_flops_per_image(shape: Shape) -> float:
@@ -539,7 +550,9 @@ def environment(threads: int, gemm: list) -> dict:
             "threads_per_rank": threads, "peak_gflops_per_rank": round(statistics.median(gemm), 1),
             # what the planner charges memory-bound operators at on CPU (engine/planner.py)
             "mem_gbs_per_rank": None if torch.cuda.is_available() else round(statistics.median(memory_gbs(threads)), 1),
-            "peak_source": "bf16 dense, data sheet" if torch.cuda.is_available() else "fp32 GEMM 2048^3, measured here",
+            "peak_source": "bf16 GEMM 8192^3, measured here" if torch.cuda.is_available() else
+            "fp32 GEMM 2048^3, measured here",
+            "datasheet_gflops_per_rank": datasheet_gflops() if torch.cuda.is_available() else None,
             "gemm_samples": [round(g, 1) for g in gemm]}
 
 
@@ -712,6 +725,8 @@ def main(argv=None):
     parser.add_argument("--out", default="", help="output directory (default: benchmarks/results/<suite>)")
     parser.add_argument("--ranks", type=int, default=0, help="override the suite's ranks (a check, not a result)")
     parser.add_argument("--repeats", type=int, default=0, help="override the suite's repeats (a check, not a result)")
+    parser.add_argument("--micro_batch_size", type=int, default=0,
+                        help="override every shape's micro-batch (gpu_check.sh: the one plan.py picks)")
     parser.add_argument("--compare", default="",
                         help="a results directory of the same suite (say benchmarks/results/cpu): write comparison.md "
                              "against its results.csv and exit non-zero when a configuration is not reproduced")
@@ -723,7 +738,15 @@ def main(argv=None):
         import dataclasses
 
         suite = dataclasses.replace(suite, ranks=args.ranks or suite.ranks, repeats=args.repeats or suite.repeats)
-    if args.suite.startswith("gpu") and torch.cuda.device_count() < suite.ranks:
+    if args.micro_batch_size:
+        import dataclasses
+
+        shapes = [dataclasses.replace(s, micro_batch_size=args.micro_batch_size,
+                                      label=s.label.replace(f"batch {s.micro_batch_size} ", f"batch {args.micro_batch_size} "))
+                  for s in suite.shapes]
+        runs = {new.label: suite.runs.get(old.label, suite.runs.get("*")) for old, new in zip(suite.shapes, shapes)}
+        suite = dataclasses.replace(suite, shapes=shapes, runs=runs)
+    if args.suite.startswith("gpu") and not args.suite.endswith("smoke") and torch.cuda.device_count() < suite.ranks:
         sys.exit(f"error: the {args.suite} suite needs {suite.ranks} GPUs on this node; found {torch.cuda.device_count()}")
     out_dir = args.out or os.path.join(REPO, "benchmarks", "results", args.suite)
     os.makedirs(out_dir, exist_ok=True)

@@ -1,17 +1,19 @@
 """Every use of a private DeepSpeed or torch API, and every patch of one: the only place they live.
 
-Each function checks the installed version it was written against and, on any other, stops with a message
-naming itself and both versions. After a pin moves, run tests/test_compat.py (one test per behaviour relied
-on here), fix what fails, then widen the version the function accepts.
+Each function checks that the installed version lies in the range its behaviour was tested on (SUPPORTED) and,
+outside it, stops with a message naming itself, the range and the installed version. Before accepting another
+version, run tests/test_compat.py under it (one test per behaviour relied on here), fix what fails, then widen
+SUPPORTED.
 """
 import contextlib
 import os
 
 import torch
 
-DEEPSPEED_SERIES = "0.19."  # requirements.txt: deepspeed==0.19.8
-TORCH_SERIES = "2.13."  # requirements.txt: torch==2.13.0
-TRANSFORMERS_SERIES = "5.24."  # requirements.txt: transformers==5.24.0
+# The (major, minor) series each package's behaviours were tested on, oldest and newest: tests/test_compat.py passes
+# under both ends (the newest: requirements.txt, what `make` installs; the oldest: the GPU machine's stack,
+# benchmarks/device/stack.txt, run by `make device-rehearsal`).
+SUPPORTED = {"torch": ((2, 11), (2, 13)), "transformers": ((5, 17), (5, 24)), "deepspeed": ((0, 19), (0, 19))}
 
 
 # torch collectives DeepSpeed's ZeRO calls that torch has deprecated
@@ -22,26 +24,44 @@ class CompatError(RuntimeError):
     """A private API used here is unchecked against the installed version."""
 
 
-def _require(package: str, series: str, function: str):
+def installed_version(package: str) -> str:
+    """The installed version of torch, transformers or deepspeed, as the package reports it."""
     if package == "torch":
-        version = torch.__version__
-    elif package == "transformers":
+        return torch.__version__
+    if package == "transformers":
         import transformers
 
-        version = transformers.__version__
-    else:
-        import deepspeed
+        return transformers.__version__
+    import deepspeed
 
-        version = deepspeed.__version__
-    if not version.startswith(series):
-        raise CompatError(f"engine/compat.py:{function} relies on {package} {series}x internals and the installed "
-                          f"{package} is {version}: run tests/test_compat.py, adapt {function}, then accept {version}")
+    return deepspeed.__version__
+
+
+def series(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string: "2.11.0+cu130" -> (2, 11)."""
+    major, minor = version.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def supported_range(package: str) -> str:
+    """The supported series of a package in words: "2.11-2.13", or "0.19" where there is one."""
+    lo, hi = SUPPORTED[package]
+    return f"{lo[0]}.{lo[1]}" + (f"-{hi[0]}.{hi[1]}" if lo != hi else "")
+
+
+def _require(package: str, function: str):
+    version = installed_version(package)
+    low, high = SUPPORTED[package]
+    if not low <= series(version) <= high:
+        raise CompatError(f"engine/compat.py:{function} relies on {package} {supported_range(package)} internals and "
+                          f"the installed {package} is {version}: run tests/test_compat.py under it, adapt {function}, "
+                          f"then widen SUPPORTED")
 
 
 # ----------------------------------------------------------------------------- DeepSpeed's CPU communication
 def deepspeed_shm_name(rank: int) -> str:
     """Path of the /dev/shm buffer DeepSpeed's CPU shared-memory all-reduce creates for `rank`."""
-    _require("deepspeed", DEEPSPEED_SERIES, "deepspeed_shm_name")
+    _require("deepspeed", "deepspeed_shm_name")
     return (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
             f"{os.environ.get('MASTER_PORT', '')}_{rank}")
 
@@ -65,7 +85,7 @@ def release_deepspeed_shm(rank: int) -> bool:
 def quiet_deepspeed_deprecations():
     """Hide the FutureWarnings torch raises each time DeepSpeed calls its deprecated collectives (every rank,
     every ZeRO-3 step); they concern DeepSpeed's code, and nothing in a run can act on them."""
-    _require("deepspeed", DEEPSPEED_SERIES, "quiet_deepspeed_deprecations")
+    _require("deepspeed", "quiet_deepspeed_deprecations")
     import warnings
 
     for name in DEEPSPEED_DEPRECATED_COLLECTIVES:
@@ -75,7 +95,7 @@ def quiet_deepspeed_deprecations():
 # ----------------------------------------------------------------------------- linear layers under ZeRO-3
 def torch_linear():
     """torch's own `linear` (the aten op), whatever DeepSpeed has made of `torch.nn.functional.linear`."""
-    _require("torch", TORCH_SERIES, "torch_linear")
+    _require("torch", "torch_linear")
     return torch._C._nn.linear
 
 
@@ -129,7 +149,7 @@ def _zero3_linear(input, weight, bias=None):
 def make_zero3_linear_out_of_place() -> bool:
     """Replace the `torch.nn.functional.linear` that `deepspeed.initialize` installs for ZeRO-3 with
     `_zero3_linear`; True if DeepSpeed's was installed."""
-    _require("deepspeed", DEEPSPEED_SERIES, "make_zero3_linear_out_of_place")
+    _require("deepspeed", "make_zero3_linear_out_of_place")
     from deepspeed.runtime.zero.linear import zero3_linear_wrap
 
     if torch.nn.functional.linear is zero3_linear_wrap:
@@ -140,27 +160,27 @@ def make_zero3_linear_out_of_place() -> bool:
 
 def param_numel(p: torch.nn.Parameter) -> int:
     """Elements of a parameter, whole: a ZeRO-3-partitioned one holds an empty tensor and its full size aside."""
-    _require("deepspeed", DEEPSPEED_SERIES, "param_numel")
+    _require("deepspeed", "param_numel")
     return getattr(p, "ds_numel", None) or p.numel()
 
 
 def param_ndim(p: torch.nn.Parameter) -> int:
     """Dimensions of a parameter as defined: a ZeRO-3-partitioned one holds a 1-d tensor and its shape aside."""
-    _require("deepspeed", DEEPSPEED_SERIES, "param_ndim")
+    _require("deepspeed", "param_ndim")
     shape = getattr(p, "ds_shape", None)
     return len(shape) if shape is not None else p.ndim
 
 
 def param_shape(p: torch.nn.Parameter) -> torch.Size:
     """Shape of a parameter as defined, partitioned by ZeRO-3 or not."""
-    _require("deepspeed", DEEPSPEED_SERIES, "param_shape")
+    _require("deepspeed", "param_shape")
     return getattr(p, "ds_shape", None) or p.shape
 
 
 def local_weights(p: torch.nn.Parameter) -> tuple[torch.Tensor, int]:
     """(the part of a parameter this rank holds, the index of its first element in the flattened parameter):
     under ZeRO-3 its partition (flat, zero-padded at the end of the last rank's), else the whole tensor and 0."""
-    _require("deepspeed", DEEPSPEED_SERIES, "local_weights")
+    _require("deepspeed", "local_weights")
     if getattr(p, "ds_tensor", None) is None:
         return p.data, 0
     import torch.distributed as dist
@@ -173,7 +193,7 @@ def writing_zero3_partitions(engine):
     """While active, what is written into ZeRO-3's partitions (`local_weights`) becomes the weights: the
     persistent parameters (kept gathered) are released on entry and gathered again from the partitions on exit,
     and hpZ's secondary partitions are invalidated, as DeepSpeed's own checkpoint load does. Every rank enters."""
-    _require("deepspeed", DEEPSPEED_SERIES, "writing_zero3_partitions")
+    _require("deepspeed", "writing_zero3_partitions")
     if not engine.zero_optimization_partition_weights():
         yield
         return
@@ -186,14 +206,14 @@ def writing_zero3_partitions(engine):
 
 def is_zero3_partitioned(p: torch.nn.Parameter) -> bool:
     """Was this parameter created (or converted) by `deepspeed.zero.Init`?"""
-    _require("deepspeed", DEEPSPEED_SERIES, "is_zero3_partitioned")
+    _require("deepspeed", "is_zero3_partitioned")
     return hasattr(p, "ds_id")
 
 
 def zero3_gathered_bytes(module: torch.nn.Module) -> int:
     """Bytes of the module's ZeRO-3 parameters that are gathered whole on this rank (or being gathered);
     0 for parameters ZeRO-3 does not manage."""
-    _require("deepspeed", DEEPSPEED_SERIES, "zero3_gathered_bytes")
+    _require("deepspeed", "zero3_gathered_bytes")
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     return sum(p.ds_numel * p.element_size() for p in module.parameters()
@@ -203,7 +223,7 @@ def zero3_gathered_bytes(module: torch.nn.Module) -> int:
 def storage_id(t: torch.Tensor) -> int:
     """An identity of the storage behind `t`, the same for all its views, unique among live storages, and
     defined on the meta device too, where every data pointer is 0 (the address of torch's StorageImpl)."""
-    _require("torch", TORCH_SERIES, "storage_id")
+    _require("torch", "storage_id")
     return t.untyped_storage()._cdata
 
 
@@ -213,7 +233,7 @@ def sdpa_as_on(device_type: str):
     matrix; on CPU and GPU it runs a fused flash-attention kernel, which saves only its output and log-sum-exp.
     Within this context, SDPA on meta tensors (no mask, no dropout) calls the kernel `device_type` would: the
     CPU flash kernel, or on "cuda" FlashAttention-2, so that a meta profile saves what a real step saves."""
-    _require("torch", TORCH_SERIES, "sdpa_as_on")
+    _require("torch", "sdpa_as_on")
     functional = torch.nn.functional
     original = functional.scaled_dot_product_attention
 
@@ -238,7 +258,7 @@ def default_store():
     """The key-value store the default process group was formed through (the TCPStore on the master), without
     the prefixes the process group adds to its own keys, so that a tool outside the job reads a key `k` set
     here as `TCPStore(master_addr, master_port, is_master=False).get(k)`."""
-    _require("torch", TORCH_SERIES, "default_store")
+    _require("torch", "default_store")
     from torch.distributed.distributed_c10d import _get_default_store
 
     store = _get_default_store()
@@ -249,7 +269,7 @@ def default_store():
 
 def zero3_hpz_ranks(module: torch.nn.Module) -> int:
     """Ranks ZeRO++'s hierarchical partitioning (hpZ) keeps each parameter's secondary partition over; 1 when off."""
-    _require("deepspeed", DEEPSPEED_SERIES, "zero3_hpz_ranks")
+    _require("deepspeed", "zero3_hpz_ranks")
     import torch.distributed as dist
 
     group = next((getattr(p, "ds_zero_param_process_group", None) for p in module.parameters()), None)
@@ -275,7 +295,7 @@ def universal_load_keeps_group_settings(engine):
     The same copy gives every group the first group's learning rate; layer-wise lr decay gives each group its
     own, a fixed multiple of the first's: each group's is put back as the loaded first one times that multiple.
     """
-    _require("deepspeed", DEEPSPEED_SERIES, "universal_load_keeps_group_settings")
+    _require("deepspeed", "universal_load_keeps_group_settings")
     groups = engine.optimizer.param_groups
     kept = [{k: g[k] for k in GROUP_HYPERPARAMETERS if k in g} for g in groups]
     ratios = [g["lr"] / groups[0]["lr"] for g in groups]
@@ -301,7 +321,7 @@ _CPU_ATTENTION_AS_GPU = (("_scaled_dot_product_flash_attention_for_cpu", "_scale
 
 def optimizer_name(engine) -> str:
     """The class of the optimizer DeepSpeed built under its ZeRO wrapper (torch's AdamW, DeepSpeedCPUAdam, Muon)."""
-    _require("deepspeed", DEEPSPEED_SERIES, "optimizer_name")
+    _require("deepspeed", "optimizer_name")
     return type(engine.basic_optimizer).__name__
 
 
@@ -309,7 +329,7 @@ def close_failed_save(engine):
     """On a rank whose checkpoint write raised inside `engine.save_checkpoint`: what DeepSpeed's save_checkpoint
     does after the writes and the other ranks take part in, so that none of them is left waiting: the
     optimizer's checkpoint epilogue (ZeRO-3 gathers its persistent parameters again) and the closing barrier."""
-    _require("deepspeed", DEEPSPEED_SERIES, "close_failed_save")
+    _require("deepspeed", "close_failed_save")
     from deepspeed import comm
 
     if engine._optimizer_has_ckpt_event_epilogue():
@@ -332,7 +352,7 @@ def _flop_registry() -> dict:
 
 def flop_counter():
     """torch's FlopCounterMode, with attention counted on CPU as on GPU."""
-    _require("torch", TORCH_SERIES, "flop_counter")
+    _require("torch", "flop_counter")
     from torch.utils.flop_counter import FlopCounterMode
 
     _flop_registry()
@@ -341,7 +361,7 @@ def flop_counter():
 
 def flop_count(func, args, kwargs, out) -> int:
     """FLOPs of one dispatched op by torch's formulas (0 for ops without one), attention on CPU included."""
-    _require("torch", TORCH_SERIES, "flop_count")
+    _require("torch", "flop_count")
     count = _flop_registry().get(func._overloadpacket)
     return count(*args, **kwargs, out_val=out) if count else 0
 
@@ -350,7 +370,7 @@ def flop_count(func, args, kwargs, out) -> int:
 def dispatch_mode_class():
     """torch's TorchDispatchMode (`torch.utils._python_dispatch`): the base of the checkpointing profile's op
     recorder, which sees every aten op a forward runs."""
-    _require("torch", TORCH_SERIES, "dispatch_mode_class")
+    _require("torch", "dispatch_mode_class")
     from torch.utils._python_dispatch import TorchDispatchMode
 
     return TorchDispatchMode
@@ -358,13 +378,13 @@ def dispatch_mode_class():
 
 def op_packet(func):
     """The overload packet of a dispatched op (`aten.mm` for `aten.mm.default`)."""
-    _require("torch", TORCH_SERIES, "op_packet")
+    _require("torch", "op_packet")
     return func._overloadpacket
 
 
 def attention_kernels() -> set:
     """The aten kernels `scaled_dot_product_attention` dispatches to (flash, memory-efficient, cuDNN, CPU flash)."""
-    _require("torch", TORCH_SERIES, "attention_kernels")
+    _require("torch", "attention_kernels")
     aten = torch.ops.aten
     return {aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
             aten._scaled_dot_product_cudnn_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default}
@@ -372,13 +392,13 @@ def attention_kernels() -> set:
 
 def internal_copy_and_view_ops() -> tuple:
     """(`aten._to_copy`, `aten._unsafe_view`): what `.to()` and a copying `reshape` reach the dispatcher as."""
-    _require("torch", TORCH_SERIES, "internal_copy_and_view_ops")
+    _require("torch", "internal_copy_and_view_ops")
     return torch.ops.aten._to_copy, torch.ops.aten._unsafe_view
 
 
 def view_base(t: torch.Tensor) -> torch.Tensor:
     """The tensor a view was made from, followed to the first that is not a view."""
-    _require("torch", TORCH_SERIES, "view_base")
+    _require("torch", "view_base")
     while t._base is not None:
         t = t._base
     return t
@@ -387,5 +407,5 @@ def view_base(t: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- transformers
 def hf_init_module(model, module):
     """Hugging Face's own initialisation of one module of `model` (`PreTrainedModel._init_weights`)."""
-    _require("transformers", TRANSFORMERS_SERIES, "hf_init_module")
+    _require("transformers", "hf_init_module")
     model._init_weights(module)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import compat
+from engine.timing import synchronize
 from models.checkpointing import VIEW_OPS
 
 
@@ -141,8 +142,8 @@ def collective_gbs(device: torch.device, n: int = 2**24, reps: int = 5) -> float
 
 
 def _sync(device: torch.device):
-    """What waits for `device`'s queued work: CUDA runs operators asynchronously, the CPU as they are called."""
-    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    """What waits for `device`'s queued work (engine.timing)."""
+    return lambda: synchronize(device)
 
 
 def _time(fn, sync, reps: int) -> float:

@@ -1,0 +1,495 @@
+"""The GPU check: what one call on the one-H200 machine measures, in parts, each under its own time limit, inside
+one time budget, with every result written to the output folder (benchmarks/gpu_check.sh runs it; read it first).
+
+    python3 benchmarks/gpu_check.py OUT                      # every part that fits the budget (BUDGET_S, 480 s)
+    PARTS="5 6" python3 benchmarks/gpu_check.py OUT          # those parts only: a second call
+    SMOKE=1 python3 benchmarks/gpu_check.py OUT              # on CPU, tiny shapes, fp32: the same files
+
+Parts:
+  1 machine   versions (against benchmarks/device/stack.txt), the device, a GEMM's rate (bf16 8192^3: MFU's peak)
+  2 vit-l     ViT-L/16 at 224^2, micro-batch 32: FSDP2, ZeRO-2 and ZeRO-3 at none, selective and full
+              (train_bench.py's gpu-check suite: images/s, MFU, torch.cuda peaks against plan.py's)
+  3 digits    train.py's main job (configs/digits-vit.yaml) in bf16 on one rank, with its evaluation
+  4 policies  every activation-checkpointing policy's losses against none's under ZeRO-3, in bf16
+  5 planned   part 2 at the micro-batch plan.py picks for one H200
+  6 compile   part 3's job under torch.compile, and under DeepSpeed's compiler (deepcompile) with ZeRO-3
+
+OUT receives: gpu_check.log (every command and its output), results.json (every figure), report.md (the tables
+and the targets), pareto.png (part 2's images/s against peak memory) and traces/ (at most 3 gzipped CUDA traces of
+one warm step). Nothing else: the runs' own folders stay in a scratch folder. A part that does not fit the
+remaining budget is not started; the summary names the PARTS of a second call.
+"""
+import csv
+import datetime
+import glob
+import gzip
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOKE = os.environ.get("SMOKE", "") not in ("", "0")
+BUDGET_S = float(os.environ.get("BUDGET_S", 1500 if SMOKE else 480))
+TRACE_LIMIT_BYTES = 15 * 2**20  # a returned file's limit is 16 MiB
+# the configurations whose warm step is kept as a trace
+TRACED = ("deepspeed-zero3-none", "deepspeed-zero3-selective", "fsdp2-reshard-none")
+# the targets on the H200 (docs/benchmarks.md)
+TARGET_MFU, TARGET_DS_SPEED, TARGET_SELECTIVE, TARGET_PEAK_ERROR = 0.40, 0.95, 1.10, 0.10
+
+
+class Part:
+    def __init__(self, number: int, name: str, expected_s: tuple, limit_s: tuple, what: str):
+        self.number, self.name, self.what = number, name, what
+        self.expected_s, self.limit_s = expected_s[SMOKE], limit_s[SMOKE]
+
+
+# (GPU, smoke) seconds: what a part is expected to take, and its limit. On the GPU a suite's job is ~30-40 s,
+# mostly start-up (imports, CUDA, building ViT-L): parts 1-4 fill a first call's 480 s, 5-6 a second's.
+PARTS = [Part(1, "machine", (25, 15), (90, 60), "versions, device, GEMM rate"),
+         Part(2, "vit-l", (330, 90), (420, 200), "ViT-L/16, micro-batch 32, 3 engines x 3 policies"),
+         Part(3, "digits", (60, 60), (150, 150), "train.py's main job, bf16, with evaluation"),
+         Part(4, "policies", (60, 30), (150, 120), "every ac policy against none, ZeRO-3, bf16"),
+         Part(5, "planned", (420, 90), (480, 200), "ViT-L/16 at plan.py's micro-batch"),
+         Part(6, "compile", (150, 60), (240, 150), "torch.compile and deepcompile")]
+
+
+class Timeout(Exception):
+    pass
+
+
+class Check:
+    """The state of one call: the scratch folder, the log, the results, the deadline of the part running."""
+
+    def __init__(self, out: str):
+        self.out, self.work = out, tempfile.mkdtemp(prefix="gpu_check_")
+        os.makedirs(out, exist_ok=True)
+        self.log = open(os.path.join(out, "gpu_check.log"), "a")
+        self.started = time.monotonic()
+        self.deadline = None
+        self.results = {"date": datetime.date.today().isoformat(), "commit": commit(), "smoke": SMOKE,
+                        "budget_s": BUDGET_S, "parts": {}}
+        self.env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
+        self.extensions = extensions()  # what this call builds is the difference at its end
+        if SMOKE:
+            self.env.update(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def say(self, line: str):
+        print(line, flush=True)
+        self.log.write(line + "\n")
+        self.log.flush()
+
+    def run(self, cmd: list, env: dict = None) -> int:
+        """One command, its output into the log, killed with its children at the part's deadline."""
+        self.log.write(f"\n$ {' '.join(map(str, cmd))}\n")
+        self.log.flush()
+        proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
+                                env={**self.env, **(env or {})}, start_new_session=True)
+        try:
+            return proc.wait(timeout=max(1.0, self.deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise Timeout from None
+
+    def torchrun(self, script: str, *args, env=None) -> int:
+        return self.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", 1, "--master_port",
+                         free_port(), script, *args], env)
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_json(path: str):
+    with open(path) as f:
+        return json.load(f)
+
+
+# ----------------------------------------------------------------------------- the parts
+def machine(check: Check) -> dict:
+    out = os.path.join(check.work, "machine.json")
+    if check.run([sys.executable, os.path.abspath(__file__), "--machine", out]) != 0:
+        raise RuntimeError("the machine probe failed (gpu_check.log)")
+    return read_json(out)
+
+
+def probe_machine(out: str):
+    """Run in a child process: versions, the device and the GEMM rate MFU is read against."""
+    import importlib.metadata as metadata
+    import platform
+
+    import torch
+
+    sys.path.insert(0, os.path.join(REPO, "benchmarks", "device"))
+    from stack import pins
+
+    expected = pins("installed") | pins("carried")
+    versions = {}
+    for name in ("torch", "transformers", "accelerate", "deepspeed", "webdataset", "numpy", "safetensors"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    differ = {k: {"installed": v, "stack.txt": expected[k]} for k, v in versions.items()
+              if k in expected and (v or "").split("+")[0] != expected[k]}
+    cuda = torch.cuda.is_available()
+    result = {"python": platform.python_version(), "versions": versions, "differ_from_stack": differ,
+              "cuda": torch.version.cuda, "device": torch.cuda.get_device_name() if cuda else cpu_name(),
+              "device_memory_gib": torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else None,
+              "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None}
+    n, dtype = (8192, torch.bfloat16) if cuda else (1024, torch.float32)
+    device = "cuda" if cuda else "cpu"
+    sys.path.insert(0, REPO)
+    from engine.timing import clock
+
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ a
+    rates = []
+    for _ in range(5):
+        start = clock(torch.device(device))
+        for _ in range(10):
+            a @ a
+        rates.append(10 * 2 * n**3 / (clock(torch.device(device)) - start) / 1e12)
+    rates.sort()
+    result["gemm"] = {"n": n, "dtype": str(dtype).split(".")[-1], "tflops_median": rates[2], "tflops_min": rates[0],
+                      "tflops_max": rates[-1]}
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result, indent=1))
+
+
+def cpu_name() -> str:
+    with open("/proc/cpuinfo") as f:
+        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "CPU")
+
+
+def extensions() -> set:
+    """The C++/CUDA ops built so far in torch's extension cache (DeepSpeed JIT-builds its ops there)."""
+    from pathlib import Path
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    return {str(p.relative_to(root)) for p in root.glob("*/*") if p.is_dir()} if root.is_dir() else set()
+
+
+def suite(check: Check, name: str, micro_batch_size: int = 0, traces: bool = False) -> dict:
+    out = os.path.join(check.work, name)
+    env = {}
+    if traces:  # each job's warm-up step (after 2 profiled steps and the FLOP-counted one) traced
+        env = {"BENCH_TRACE_DIR": os.path.join(check.work, "traces"), "BENCH_TRACE_STEP": "4"}
+        os.makedirs(env["BENCH_TRACE_DIR"], exist_ok=True)
+    rc = check.run([sys.executable, "benchmarks/train_bench.py", "--suite", "gpu-check-smoke" if SMOKE else "gpu-check",
+                    "--out", out] + (["--micro_batch_size", micro_batch_size] if micro_batch_size else []), env)
+    if not os.path.exists(os.path.join(out, "results.csv")):
+        raise RuntimeError(f"the suite wrote no results (exit {rc}; gpu_check.log)")
+    with open(os.path.join(out, "results.csv")) as f:
+        rows = list(csv.DictReader(f))
+    planner = read_json(os.path.join(out, "planner.json")) if os.path.exists(os.path.join(out, "planner.json")) else []
+    with open(os.path.join(out, "results.md")) as f:
+        markdown = f.read()
+    return {"exit": rc, "rows": rows, "planner": planner, "dir": out, "results_md": markdown}
+
+
+def vit_l(check: Check) -> dict:
+    result = suite(check, "suite-mb32", traces=True)
+    shutil.copy(os.path.join(result["dir"], "pareto.png"), os.path.join(check.out, "pareto.png"))
+    return result
+
+
+def digits_shards(check: Check):
+    if not os.path.exists(os.path.join(REPO, "data", "digits", "_info.json")):
+        if check.run([sys.executable, "data/make_shards.py", "digits", "data/digits"]) != 0:
+            raise RuntimeError("writing the digits shards failed (gpu_check.log)")
+
+
+def train_job(check: Check, name: str, *extra) -> dict:
+    digits_shards(check)
+    out = os.path.join(check.work, name)
+    args = ["--config", "configs/digits-vit.yaml", "--save_every", 0, "--output_dir", out, "--progress", "false"]
+    args += ["--precision", "fp32", "--max_steps", 40, "--eval_every", 20] if SMOKE else ["--precision", "bf16"]
+    started = time.monotonic()
+    rc = check.torchrun("train.py", *args, *extra)
+    if rc != 0 or not os.path.exists(os.path.join(out, "summary.json")):
+        raise RuntimeError(f"train.py exited {rc} (gpu_check.log)")
+    summary = read_json(os.path.join(out, "summary.json"))
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        last = [json.loads(line) for line in f][-1]
+    return {"val_top1": summary["val_top1"], "images_per_sec": summary["images_per_sec"],
+            "steps": summary["steps_this_launch"], "seconds": round(time.monotonic() - started, 1),
+            "peak_mem_bytes": last.get("peak_mem_bytes"), "loss": last["loss"]}
+
+
+def digits(check: Check) -> dict:
+    return train_job(check, "digits")
+
+
+def policies(check: Check) -> dict:
+    out = os.path.join(check.work, "policies.json")
+    shape = ["--model", "vit-debug", "--image_size", 16, "--patch_size", 0, "--micro_batch_size", 8, "--steps", 6] \
+        if SMOKE else ["--steps", 20]
+    rc = check.torchrun("benchmarks/policy_check.py", "--out", out, *shape)
+    if rc != 0 or not os.path.exists(out):
+        raise RuntimeError(f"policy_check.py exited {rc} (gpu_check.log)")
+    return read_json(out)
+
+
+def planned_micro_batch(check: Check) -> int:
+    """The micro-batch of plan.py's fastest configuration of ViT-L/16 on one H200 at a global batch of 256 (smoke:
+    vit-debug on a CPU of 8 GiB)."""
+    out = os.path.join(check.work, "plan.json")
+    cluster = ["--model", "vit-debug", "--image_size", 16, "--device", "cpu", "--device_memory_gb", 8,
+               "--device_tflops", 0.1, "--global_batch", 32] if SMOKE else \
+        ["--model", "vit-large", "--image_size", 224, "--patch_size", 16, "--device", "h200", "--global_batch", 256]
+    with open(out, "w") as f:
+        proc = subprocess.run([sys.executable, "plan.py", *map(str, cluster), "--num_labels", "10", "--precision",
+                               "fp32" if SMOKE else "bf16", "--world_size", "1", "--ranks_per_node", "1", "--json"],
+                              cwd=REPO, env=check.env, stdout=f, stderr=check.log, text=True,
+                              timeout=max(1.0, check.deadline - time.monotonic()))
+    if proc.returncode != 0:
+        raise RuntimeError(f"plan.py exited {proc.returncode} (gpu_check.log)")
+    return int(read_json(out)["best"]["micro_batch_size"])
+
+
+def planned(check: Check) -> dict:
+    mb = planned_micro_batch(check)
+    check.say(f"   plan.py's micro-batch: {mb}")
+    return dict(suite(check, "suite-planned", micro_batch_size=mb), micro_batch_size=mb)
+
+
+def compiled(check: Check) -> dict:
+    result = {}
+    for name, extra in [("torch.compile", ["--compile", "true"]),
+                        ("deepcompile", ["--compile", "true", "--zero_stage", 3,
+                                         "--ds_config", "ds_configs/zero3_deepcompile.json"])]:
+        if SMOKE and name == "deepcompile":
+            result[name] = {"skipped": "deepcompile needs a GPU"}
+            continue
+        try:
+            result[name] = train_job(check, name.replace(".", "_"), *extra)
+        except RuntimeError as e:
+            result[name] = {"error": str(e)}
+    return result
+
+
+RUNNERS = {"machine": machine, "vit-l": vit_l, "digits": digits, "policies": policies, "planned": planned,
+           "compile": compiled}
+
+
+# ----------------------------------------------------------------------------- the report
+def number(row: dict, key: str):
+    try:
+        return float(row[key])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def targets(results: dict) -> list:
+    """(target, measured, verdict) rows of the H200 targets from the parts that ran; one repeat each, so every
+    ratio is a point, not an interval."""
+    rows = []
+    parts = results["parts"]
+    for part, label in (("vit-l", "micro-batch 32"), ("planned", "planned micro-batch")):
+        figures = parts.get(part, {}).get("figures")
+        if not figures:
+            continue
+        by = {r["config"]: r for r in figures["rows"] if int(r.get("jobs_ok") or 0)}
+        if part == "planned":
+            for engine, prefix in (("FSDP2", "FSDP2"), ("DeepSpeed", "ZeRO-")):
+                mfus = [(number(r, "mfu"), c) for c, r in by.items() if c.startswith(prefix) and number(r, "mfu")]
+                if mfus:
+                    best = max(mfus)
+                    rows.append((f"ViT-L/16 MFU >= {TARGET_MFU:.0%} under {engine} ({label})",
+                                 f"{best[0]:.1%} ({best[1]})", "met" if best[0] >= TARGET_MFU else "missed"))
+        for ac in ("none", "selective", "full"):
+            ds, fs = by.get(f"ZeRO-3 + {ac}"), by.get(f"FSDP2 + {ac}")
+            if ds and fs:
+                ratio = number(ds, "images_per_sec") / number(fs, "images_per_sec")
+                rows.append((f"ZeRO-3 >= {TARGET_DS_SPEED}x FSDP2's images/s at {ac} ({label})", f"{ratio:.3f}x",
+                             "met" if ratio >= TARGET_DS_SPEED else "missed"))
+        for prefix in ("FSDP2", "ZeRO-3", "ZeRO-2"):
+            sel, none = by.get(f"{prefix} + selective"), by.get(f"{prefix} + none")
+            if sel and none:
+                ratio = number(sel, "step_ms") / number(none, "step_ms")
+                rows.append((f"{prefix}: selective <= +{TARGET_SELECTIVE - 1:.0%} step time over none ({label})",
+                             f"{ratio - 1:+.1%}", "met" if ratio <= TARGET_SELECTIVE else "missed"))
+        for r in figures["planner"]:
+            rows.append((f"plan.py's peak within {TARGET_PEAK_ERROR:.0%} of the allocator's: {r['config']} ({label})",
+                         f"{r['peak_error']:+.1%} ({r['peak_predicted'] / 2**30:.2f} vs "
+                         f"{r['peak_measured'] / 2**30:.2f} GiB)",
+                         "met" if abs(r["peak_error"]) <= TARGET_PEAK_ERROR else "missed"))
+    return rows
+
+
+def headline(name: str, figures: dict) -> str:
+    if name == "machine":
+        g = figures["gemm"]
+        return (f"{figures['device']}, torch {figures['versions']['torch']}, {g['dtype']} GEMM {g['tflops_median']:.1f} "
+                f"TFLOP/s" + (f"; differs from stack.txt: {', '.join(figures['differ_from_stack'])}"
+                              if figures["differ_from_stack"] else ""))
+    if name in ("vit-l", "planned"):
+        ok = [r for r in figures["rows"] if int(r.get("jobs_ok") or 0)]
+        best = max(ok, key=lambda r: number(r, "images_per_sec")) if ok else None
+        return (f"{len(ok)} of {len(figures['rows'])} configurations ran" +
+                (f"; fastest {best['config']} {number(best, 'images_per_sec'):.0f} img/s, MFU {number(best, 'mfu'):.1%}"
+                 if best else "") + (f" (micro-batch {figures['micro_batch_size']})" if name == "planned" else ""))
+    if name == "digits":
+        return f"val top-1 {figures['val_top1']:.2%}, {figures['images_per_sec']:.0f} img/s, {figures['seconds']} s"
+    if name == "policies":
+        worst = max(figures["policies"].items(), key=lambda kv: kv[1]["max_abs_loss_diff"])
+        exact = sum(r["bitwise_equal"] for r in figures["policies"].values())
+        return (f"{exact} of {len(figures['policies'])} policies bitwise equal to none; largest loss difference "
+                f"{worst[1]['max_abs_loss_diff']:.1e} ({worst[0]})")
+    if name == "compile":
+        return "; ".join(f"{k}: " + (f"{v['images_per_sec']:.0f} img/s" if "images_per_sec" in v else
+                                     v.get("error") or v.get("skipped", "")) for k, v in figures.items())
+    return ""
+
+
+def table(header: list, rows: list) -> str:
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] +
+                     ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
+
+
+def write_report(check: Check):
+    results, parts = check.results, check.results["parts"]
+    summary = [(p.number, p.name, parts[p.name]["status"], parts[p.name].get("seconds", ""),
+                parts[p.name].get("headline", parts[p.name].get("error", ""))) for p in PARTS if p.name in parts]
+    lines = [f"# GPU check{' (SMOKE: CPU, tiny shapes, fp32: checks the script, measures nothing)' if SMOKE else ''}",
+             "", f"{results['date']} | commit {results['commit']} | {check.elapsed():.0f} s of a {BUDGET_S:.0f} s "
+             f"budget | `bash benchmarks/gpu_check.sh`", "", "## Summary", "",
+             table(["part", "name", "status", "seconds", "result"], summary), "",
+             f"C++/CUDA ops built during the call (JIT): {', '.join(results['jit_builds']) or 'none'}", ""]
+    if results.get("rerun"):
+        lines += [f"Not done: run `{results['rerun']}` in a second call.", ""]
+    rows = targets(results)
+    if rows:
+        lines += ["## Targets", "", "One repeat per configuration: each figure is a point, not an interval.", "",
+                  table(["target", "measured", "verdict"], rows), ""]
+    for name, title in (("vit-l", "ViT-L/16, micro-batch 32"), ("planned", "ViT-L/16 at plan.py's micro-batch")):
+        figures = parts.get(name, {}).get("figures")
+        if figures:
+            body = figures["results_md"].split("\n## ", 1)[-1]
+            lines += [f"## {title}", "", "## " + body, ""]
+    policies_part = parts.get("policies", {}).get("figures")
+    if policies_part:
+        lines += [f"## Activation-checkpointing policies: {policies_part['model']}, ZeRO-{policies_part['zero_stage']}, "
+                  f"{policies_part['precision']}, {policies_part['steps']} steps", "",
+                  table(["policy", "last loss", "max abs loss diff vs none", "bitwise equal", "ms/step", "peak MiB"],
+                        [(k, f"{v['losses'][-1]:.6f}", f"{v['max_abs_loss_diff']:.2e}", v["bitwise_equal"],
+                          f"{v['step_ms_median']:.1f}",
+                          f"{v['peak_alloc_bytes'] / 2**20:.0f}" if v["peak_alloc_bytes"] else "n/a (CPU)")
+                         for k, v in policies_part["policies"].items()]), ""]
+    for name in ("digits", "compile"):
+        figures = parts.get(name, {}).get("figures")
+        if figures:
+            lines += [f"## {name}", "", "```", json.dumps(figures, indent=1), "```", ""]
+    with open(os.path.join(check.out, "report.md"), "w") as f:
+        f.write("\n".join(lines))
+    return summary
+
+
+def keep_traces(check: Check):
+    """At most 3 gzipped traces of part 2's warm steps, each under the return limit."""
+    kept = []
+    for name in TRACED:
+        found = sorted(glob.glob(os.path.join(check.work, "traces", f"{name}-step*_rank0.json")))
+        if not found:
+            continue
+        os.makedirs(os.path.join(check.out, "traces"), exist_ok=True)
+        target = os.path.join(check.out, "traces", os.path.basename(found[0]) + ".gz")
+        with open(found[0], "rb") as src, gzip.open(target, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        if os.path.getsize(target) > TRACE_LIMIT_BYTES:
+            os.remove(target)
+            check.say(f"   trace {os.path.basename(found[0])} is over the return limit: not kept")
+        else:
+            kept.append(os.path.relpath(target, check.out))
+    return kept
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--machine"]:
+        return probe_machine(argv[1]) or 0
+    if len(argv) != 1:
+        sys.exit(__doc__)
+    check = Check(argv[0])
+    wanted = {int(p) for p in os.environ.get("PARTS", " ".join(str(p.number) for p in PARTS)).split()}
+    interrupted = []
+
+    def stop(signum, frame):  # an outer limit: end the part running, then write what there is
+        interrupted.append(signum)
+        raise Timeout
+
+    signal.signal(signal.SIGTERM, stop)
+    check.say(f"GPU check{' (smoke)' if SMOKE else ''}: parts {sorted(wanted)}, budget {BUDGET_S:.0f} s, "
+              f"scratch {check.work}")
+    try:
+        for part in PARTS:
+            if part.number not in wanted:
+                continue
+            left = BUDGET_S - check.elapsed()
+            if interrupted or part.expected_s > left:
+                check.results["parts"][part.name] = {"status": "not reached", "number": part.number}
+                check.say(f"== {part.number}. {part.name}: not started ({left:.0f} s left, {part.expected_s} s expected)")
+                continue
+            check.say(f"== {part.number}. {part.name}: {part.what} (limit {min(part.limit_s, left):.0f} s)")
+            check.deadline = time.monotonic() + min(part.limit_s, left)
+            started = time.monotonic()
+            entry = {"number": part.number}
+            try:
+                entry["figures"] = RUNNERS[part.name](check)
+                entry["status"] = "ok"
+                entry["headline"] = headline(part.name, entry["figures"])
+            except Timeout:
+                entry.update(status="timed out", error=f"stopped at its limit ({min(part.limit_s, left):.0f} s)")
+            except Exception as e:  # noqa: BLE001  a part's failure is reported; the next part still runs
+                entry.update(status="failed", error=f"{type(e).__name__}: {e}")
+            entry["seconds"] = round(time.monotonic() - started, 1)
+            check.results["parts"][part.name] = entry
+            check.say(f"   {entry['status']} in {entry['seconds']} s: {entry.get('headline') or entry.get('error')}")
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        parts = check.results["parts"]
+        redo = [str(p.number) for p in PARTS if p.name in parts and parts[p.name]["status"] != "ok"]
+        if redo:
+            check.results["rerun"] = f"PARTS=\"{' '.join(redo)}\" bash benchmarks/gpu_check.sh"
+        check.results["traces"] = keep_traces(check)
+        check.results["jit_builds"] = sorted(extensions() - check.extensions)
+        check.results["seconds"] = round(check.elapsed(), 1)
+        for entry in parts.values():  # the runs' folders are scratch, deleted below
+            if isinstance(entry.get("figures"), dict):
+                entry["figures"].pop("dir", None)
+        with open(os.path.join(check.out, "results.json"), "w") as f:
+            json.dump(check.results, f, indent=1)
+        summary = write_report(check)
+        check.say("\n" + table(["part", "name", "status", "seconds", "result"], summary))
+        if redo:
+            check.say(f"\nnot done: {check.results['rerun']}")
+        check.say(f"\nwritten: {', '.join(sorted(os.listdir(check.out)))} in {check.out}")
+        check.log.close()
+        shutil.rmtree(check.work, ignore_errors=True)
+    return 0 if not redo else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

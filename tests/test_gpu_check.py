@@ -1,0 +1,69 @@
+"""benchmarks/gpu_check.py, the GPU call's driver, on CPU: its budget, its files and its verdicts.
+
+The whole script runs end to end in `make device-rehearsal` (SMOKE=1 under the GPU machine's stack); here, the
+parts that decide what a GPU call returns: a part that does not fit the budget is not started and is named for the
+second call, every file lands in the output folder within the return limits, and the targets read the suite's rows.
+"""
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+from conftest import REPO
+
+gpu_check = importlib.import_module("benchmarks.gpu_check")
+
+
+def run_check(tmp_path, **env):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", str(out)], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, SMOKE="1", PYTHONWARNINGS="ignore", **env))
+    return proc, out
+
+
+def test_parts_beyond_the_budget_are_not_started_and_named_for_a_second_call(tmp_path):
+    proc, out = run_check(tmp_path, BUDGET_S="1", PARTS="1 2 6")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    results = json.loads((out / "results.json").read_text())
+    assert {k: v["status"] for k, v in results["parts"].items()} == {"machine": "not reached", "vit-l": "not reached",
+                                                                      "compile": "not reached"}
+    assert results["rerun"] == 'PARTS="1 2 6" bash benchmarks/gpu_check.sh'
+    report = (out / "report.md").read_text()
+    assert "| 2 | vit-l | not reached |" in report and results["rerun"] in report
+    assert sorted(os.listdir(out)) == ["gpu_check.log", "report.md", "results.json"]
+
+
+def test_the_machine_part_measures_versions_and_a_gemm(tmp_path):
+    proc, out = run_check(tmp_path, PARTS="1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    machine = json.loads((out / "results.json").read_text())["parts"]["machine"]
+    assert machine["status"] == "ok"
+    figures = machine["figures"]
+    assert figures["versions"]["torch"] and figures["gemm"]["tflops_median"] > 0
+    assert figures["gemm"]["tflops_min"] <= figures["gemm"]["tflops_median"] <= figures["gemm"]["tflops_max"]
+    assert "| 1 | machine | ok |" in proc.stdout
+
+
+def _row(config, images_per_sec, step_ms, mfu):
+    return {"config": config, "jobs_ok": "1", "images_per_sec": str(images_per_sec), "step_ms": str(step_ms),
+            "mfu": str(mfu)}
+
+
+def test_targets_read_the_rows_both_ways():
+    rows = [_row("FSDP2 + none", 100, 10, 0.45), _row("ZeRO-3 + none", 96, 10.4, 0.43),
+            _row("FSDP2 + selective", 90, 11.2, 0.41), _row("ZeRO-3 + selective", 80, 12, 0.36)]
+    planner = [{"config": "ZeRO-3 + none", "peak_error": 0.08, "peak_predicted": 1.08 * 2**30,
+                "peak_measured": 2**30}, {"config": "ZeRO-3 + selective", "peak_error": -0.12,
+                                          "peak_predicted": 0.88 * 2**30, "peak_measured": 2**30}]
+    verdicts = {t: v for t, _, v in gpu_check.targets({"parts": {"planned": {"figures": {"rows": rows,
+                                                                                         "planner": planner}}}})}
+    assert verdicts["ViT-L/16 MFU >= 40% under FSDP2 (planned micro-batch)"] == "met"
+    assert verdicts["ViT-L/16 MFU >= 40% under DeepSpeed (planned micro-batch)"] == "met"  # ZeRO-3 + none, 43%
+    assert verdicts["ZeRO-3 >= 0.95x FSDP2's images/s at none (planned micro-batch)"] == "met"  # 0.96
+    assert verdicts["ZeRO-3 >= 0.95x FSDP2's images/s at selective (planned micro-batch)"] == "missed"  # 0.89
+    assert verdicts["FSDP2: selective <= +10% step time over none (planned micro-batch)"] == "missed"  # +12%
+    assert verdicts["plan.py's peak within 10% of the allocator's: ZeRO-3 + none (planned micro-batch)"] == "met"
+    assert verdicts["plan.py's peak within 10% of the allocator's: ZeRO-3 + selective (planned micro-batch)"] == "missed"
+    assert not any("MFU" in t for t in (t for t, _, _ in gpu_check.targets(
+        {"parts": {"vit-l": {"figures": {"rows": rows, "planner": []}}}})))  # MFU is read at the planned batch only

@@ -1,0 +1,70 @@
+"""engine/timing.py: every timed region of train.py and the benchmark worker ends on the device-synchronising clock.
+
+On a GPU a step's kernels and NCCL collectives return before they finish, so a step time read without a
+synchronisation is the host's enqueue time. This cannot be timed wrong on a CPU, so the tests check what can be
+checked here: the clock waits on the device it is given, and both programs read their step times from it, counted
+in the real processes through a wrapper installed from outside (a sitecustomize on PYTHONPATH).
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+from conftest import BIN, REPO, free_port
+
+from engine import timing
+
+COUNTER = '''
+import json, os, engine.timing as timing
+_sync = timing.synchronize
+def synchronize(device):
+    with open(os.environ["SYNC_LOG"], "a") as f:
+        f.write(json.dumps({"pid": os.getpid(), "device": device.type}) + "\\n")
+    return _sync(device)
+timing.synchronize = synchronize
+'''
+
+
+def test_clock_waits_on_the_device_it_is_given():
+    seen = []
+    original = timing.synchronize
+    try:
+        timing.synchronize = seen.append
+        before = time.perf_counter()
+        assert timing.clock(torch.device("cpu")) >= before
+    finally:
+        timing.synchronize = original
+    assert seen == [torch.device("cpu")]
+
+
+def _counted_run(cmd, tmp_path, extra_env=None):
+    (tmp_path / "sitecustomize.py").write_text(COUNTER)
+    log = tmp_path / "sync.jsonl"
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}", SYNC_LOG=str(log), OMP_NUM_THREADS="1",
+               PYTHONWARNINGS="ignore", **(extra_env or {}))
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def test_train_py_times_each_step_on_the_clock(debug_args, tmp_path):
+    out = tmp_path / "run"
+    steps = 4
+    _, calls = _counted_run([sys.executable, "train.py", *debug_args, "--max_steps", str(steps), "--eval_every", "0",
+                             "--save_every", "0", "--output_dir", str(out)], tmp_path)
+    assert len(calls) >= 2 * steps  # each step starts and ends on the clock
+    with open(out / "metrics.jsonl") as f:
+        assert all(r["images_per_sec"] > 0 for r in map(json.loads, f))
+
+
+def test_bench_worker_times_each_step_on_the_clock(tmp_path):
+    spec = {"engine": "deepspeed", "zero": 2, "profiled_steps": 1, "timed_steps": 3, "count_flops": False}
+    result = tmp_path / "result.json"
+    _, calls = _counted_run([f"{BIN}/torchrun", "--nproc_per_node", "1", "--master_port", str(free_port()),
+                             "benchmarks/bench_worker.py", "--spec", json.dumps(spec), "--out", str(result)],
+                            tmp_path, {"DS_ACCELERATOR": "cpu"})
+    steps = spec["profiled_steps"] + spec["timed_steps"]
+    assert len(calls) >= 2 * steps and {c["device"] for c in calls} == {"cpu"}
+    assert len(json.loads(result.read_text())["step_seconds"]) == spec["timed_steps"]
