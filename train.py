@@ -28,15 +28,16 @@ import torch.nn.functional as F
 import yaml
 
 from config import Config, ConfigError, parse, to_dict
-from data.loader import ShardStream, TrainLoader, check_streams, eval_batches, merge_states, resume_state
+from data.loader import (ShardStream, TrainLoader, check_labels, check_streams, eval_batches, merge_states,
+                         resume_state)
 from data.shards import DataError, parse_spec
 from data.transforms import EvalTransform, Normalize, TrainTransform, mix_batch
-from engine.distributed import (DistributedError, Heartbeat, dist_env, exit_distributed, exit_on_comm_errors,
+from engine.distributed import (DistributedError, Heartbeat, dist_env, exit_distributed, fail_fast,
                                 init_distributed)
 from engine.memory import memory_profiler, memory_trace, peak_memory_bytes
 from engine.preemption import EXIT_PREEMPTED, Preemption
 from engine import compat, figures
-from engine.checkpoint import find_resume, remove_interrupted, save, to_universal
+from engine.checkpoint import describe_load_error, find_resume, remove_interrupted, save, to_universal
 from engine.ema import EMA
 from engine.optim import frozen_names
 from engine.parallelize import build_engine, build_training_model, engine_config
@@ -44,6 +45,7 @@ from engine.planner import meta_model
 from engine.timing import clock
 from models import model_config
 from models.checkpointing import check_policy
+from models.registry import check_weight_files
 
 # a resumed run whose data layout changed starts a fresh data order, seeded by the seed and the step
 RESEED_STRIDE = 1_000_003
@@ -62,8 +64,12 @@ def check_run(cfg: Config, world_size: int, rank: int):
     names = train_sources[0].class_names
     if names is not None and len(names) != cfg.num_labels:
         raise ConfigError(f"num_labels is {cfg.num_labels} but the train shards' _info.json lists {len(names)} classes")
+    check_labels(train_sources, cfg.num_labels, "train_shards")
+    check_labels(val_sources, cfg.num_labels, "val_shards")
     # an unknown model name raises here, with the list of known ones; a contradicting DeepSpeed JSON below
     hidden = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size).hidden_size
+    if os.path.isdir(cfg.model):  # a cut-off copy of its weights fails here, by name, not inside transformers
+        check_weight_files(cfg.model)
     if cfg.freeze:  # a pattern that names no parameter fails here, on the model's shapes alone
         frozen_names([n for n, _ in meta_model(cfg).named_parameters()], cfg.freeze)
     _, ds_config = engine_config(cfg, hidden, world_size)
@@ -85,6 +91,8 @@ def check_run(cfg: Config, world_size: int, rank: int):
         raise ConfigError(f"output_dir '{cfg.output_dir}' already holds a run: continue it with --resume latest "
                           f"or choose another output_dir")
     resume = find_resume(cfg, world_size)  # a missing file or a changed ZeRO stage fails here
+    if resume and resume.note and rank == 0:
+        print(resume.note, file=sys.stderr)
     if rank == 0:  # probe writability last, so a failure above leaves no directory behind
         existed = os.path.isdir(cfg.output_dir)
         try:
@@ -241,7 +249,9 @@ def main(argv=None):
     # a dead or stalled rank: the others stop within dist_timeout, with one line naming where each rank was
     heartbeat = Heartbeat(rank, world_size, cfg.dist_timeout, EXIT_COLLECTIVE)
     heartbeat.beat("starting")
-    exit_on_comm_errors(heartbeat)
+    # an exception on any rank ends the job in seconds, its traceback in errors/rank<N>.txt, the logs flushed
+    flush_logs = []
+    fail_fast(heartbeat, cfg.output_dir, flush_logs)
     preemption = Preemption(cfg.preempt_grace)  # SIGTERM/SIGUSR1: finish the step, checkpoint, exit
     if rank == 0:
         remove_interrupted(ckpt_dir)
@@ -284,8 +294,17 @@ def main(argv=None):
         print(f"resume: no checkpoint in {ckpt_dir} yet, starting from step 0")
     if resume:
         heartbeat.beat("loading the checkpoint")
-        with compat.universal_load_keeps_group_settings(engine):
-            path, client_state = engine.load_checkpoint(resume.load_dir, tag=resume.load_tag)
+        try:
+            with compat.universal_load_keeps_group_settings(engine):
+                path, client_state = engine.load_checkpoint(resume.load_dir, tag=resume.load_tag)
+        except RuntimeError as e:  # another model's checkpoint: one line, every rank stops (bad input)
+            if (why := describe_load_error(e, resume.path)) is None:
+                raise
+            if rank == 0:
+                print(f"error: {why}", file=sys.stderr, flush=True)
+            else:  # a launcher ends the other ranks when one exits: rank 0 reports first
+                time.sleep(5)
+            os._exit(2)
         if path is None:
             raise SystemExit(f"error: could not load a checkpoint from {resume.path}")
         start_step = client_state["step"]
@@ -311,11 +330,12 @@ def main(argv=None):
         grad_accum_steps=cfg.grad_accum_steps, streams=data_streams,
         seed=cfg.seed if data_state or not start_step else cfg.seed * RESEED_STRIDE + start_step,
         transform=TrainTransform(processor, cfg.crop_scale_min, cfg.hflip, cfg.randaug_n, cfg.randaug_m),
-        state=data_state)
+        state=data_state, num_labels=cfg.num_labels)
     train_batches = TrainLoader(train_stream, cfg.num_workers)
     per_epoch = train_stream.batches_per_rank_epoch()  # None in resampled mode
     normalize = Normalize(processor)
-    val_data = lambda: eval_batches(val_sources, EvalTransform(processor), cfg.micro_batch_size, rank, world_size)
+    val_data = lambda: eval_batches(val_sources, EvalTransform(processor), cfg.micro_batch_size, rank, world_size,  # noqa: E731
+                                    cfg.num_labels)
 
     # ------------------------------------------------------------------ run directory and logging
     images_per_step = cfg.micro_batch_size * cfg.grad_accum_steps * world_size
@@ -339,6 +359,7 @@ def main(argv=None):
         from torch.utils.tensorboard import SummaryWriter
 
         writer = SummaryWriter(os.path.join(cfg.output_dir, "tb"), purge_step=start_step + 1)
+        flush_logs += [metrics_file.flush, writer.flush]
         hpz = compat.zero3_hpz_ranks(engine.module) if cfg.zero_stage == 3 else 1
         print(f"{cfg.model}: {n_params / 1e6:.2f}M params | ZeRO-{cfg.zero_stage}"
               f"{f' (hpZ over {hpz} ranks)' if hpz > 1 else ''} | {compat.optimizer_name(engine)} | {precision} | "

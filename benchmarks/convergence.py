@@ -60,7 +60,7 @@ def fsdp2_worker(argv):
                                    train_sources[0].class_names, seed=cfg.seed, drop_path=cfg.drop_path)
     torch.manual_seed(cfg.seed)
     step_fn = FSDP2Step(model, cfg, Spec(engine="fsdp2", ac=cfg.ac))
-    stream = ShardStream(train_sources, mode=cfg.data_mode, rank=rank, world_size=world_size,
+    stream = ShardStream(train_sources, mode=cfg.data_mode, rank=rank, world_size=world_size, num_labels=cfg.num_labels,
                          num_workers=cfg.num_workers, micro_batch_size=cfg.micro_batch_size,
                          shuffle_buffer=cfg.shuffle_buffer, grad_accum_steps=1, streams=cfg.data_streams, seed=cfg.seed,
                          transform=TrainTransform(processor, cfg.crop_scale_min, cfg.hflip, cfg.randaug_n,

@@ -32,19 +32,43 @@ from data.shards import DataError, count_samples, iter_samples
 IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
 
 
-def decode(sample: dict):
-    """(PIL image, label) from a raw sample; raises on a corrupt image or a missing/malformed label."""
+def decode(sample: dict, num_labels: int | None = None):
+    """(PIL image, label) from a raw sample; raises on a corrupt image or a missing, malformed or out-of-range label
+    (outside [0, num_labels) where it is given)."""
     ext = next((k for k in IMAGE_KEYS if k in sample), None)
     if ext is None:
         raise ValueError(f"no image ({', '.join(IMAGE_KEYS)})")
     if "cls" not in sample:
         raise ValueError("no label (cls)")
     label = int(sample["cls"])
-    if label < 0:
-        raise ValueError(f"negative label {label}")
+    if label < 0 or (num_labels is not None and label >= num_labels):
+        raise ValueError(f"label {label} outside [0, {num_labels if num_labels is not None else 'inf'}) (num_labels)")
     img = Image.open(io.BytesIO(sample[ext]))
     img.load()
     return img, label
+
+
+LABEL_PROBE = 64  # samples read from the first shard of each source to check its labels before training
+
+
+def check_labels(sources, num_labels: int, what: str):
+    """DataError when most of the first samples of a source's first shard have labels outside [0, num_labels):
+    the shards are of another data set, or num_labels is too small. A few such samples are corrupt ones, skipped
+    and counted while training."""
+    for source in sources:
+        url, labels = source.urls[0], []
+        for sample in iter_samples(url, []):
+            try:
+                labels.append(int(sample["cls"]))
+            except (KeyError, ValueError):
+                pass
+            if len(labels) == LABEL_PROBE:
+                break
+        bad = [y for y in labels if not 0 <= y < num_labels]
+        if labels and len(bad) * 2 > len(labels):
+            raise DataError(f"{what}: {len(bad)} of the first {len(labels)} labels of {url} lie outside [0, "
+                            f"{num_labels}) (num_labels {num_labels}); the largest is {max(labels)}: set num_labels "
+                            f"to the shards' number of classes, or check that these are the shards you meant")
 
 
 def _rng(*parts) -> random.Random:
@@ -71,7 +95,7 @@ def check_streams(streams: int, world_size: int, grad_accum_steps: int, num_work
 class ShardStream(torch.utils.data.IterableDataset):
     def __init__(self, sources, *, mode: str, rank: int, world_size: int, num_workers: int, micro_batch_size: int,
                  shuffle_buffer: int, seed: int, transform, grad_accum_steps: int = 1, streams: int = 0,
-                 state: dict | None = None):
+                 state: dict | None = None, num_labels: int | None = None):
         if mode not in ("epoch", "resampled"):
             raise DataError(f"data mode must be 'epoch' or 'resampled', got '{mode}'")
         self.sources, self.mode, self.rank, self.world_size = sources, mode, rank, world_size
@@ -86,7 +110,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         per_step, per_rank = world_size * grad_accum_steps, self.streams // world_size
         self.rank_streams = [(i // grad_accum_steps) * per_step + rank * grad_accum_steps + i % grad_accum_steps
                              for i in range(per_rank)]
-        self.transform = transform
+        self.transform, self.num_labels = transform, num_labels  # a label outside [0, num_labels): a corrupt sample
         self.state = state or {"batches": 0, "streams": {}}
         if mode == "epoch":
             if any(s.weight != 1.0 for s in sources):
@@ -161,7 +185,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         if sample is None:
             return None
         try:
-            img, label = decode(sample)
+            img, label = decode(sample, self.num_labels)
             return self.transform(img, _rng(self.seed, "aug", epoch, sample["__key__"])), label, sample["__key__"]
         except Exception as e:  # corrupt image, missing or malformed label
             warnings.warn(f"skipped sample {sample.get('__key__')} of {sample.get('__url__')}: {e!r}")
@@ -344,9 +368,10 @@ def resume_state(saved: dict | None, *, step: int, mode: str, seed: int, data_st
     return {"batches": step * grad_accum_steps, "streams": saved["streams"]}, streams, None
 
 
-def eval_batches(sources, transform, batch_size: int, rank: int, world_size: int):
+def eval_batches(sources, transform, batch_size: int, rank: int, world_size: int, num_labels: int | None = None):
     """Every validation sample once across ranks, in order; ranks may get different batch counts
-    (train.evaluate evens them out). Unreadable samples are skipped with a warning."""
+    (train.evaluate evens them out). Unreadable samples, and labels outside [0, num_labels), are skipped with a
+    warning."""
     urls = [u for s in sources for u in s.urls]
     mine = urls[rank::world_size] if len(urls) >= world_size else urls
     stride = 1 if len(urls) >= world_size else world_size
@@ -357,10 +382,10 @@ def eval_batches(sources, transform, batch_size: int, rank: int, world_size: int
             if stride > 1 and (n - 1) % stride != rank:
                 continue
             try:
-                img, label = decode(sample)
+                img, label = decode(sample, num_labels)
                 batch.append((transform(img, None), label))
             except Exception as e:
-                warnings.warn(f"skipped val sample {sample.get('__key__')}: {e!r}")
+                warnings.warn(f"skipped val sample {sample.get('__key__')} of {sample.get('__url__')}: {e!r}")
             if len(batch) == batch_size:
                 yield torch.stack([b[0] for b in batch]), torch.tensor([b[1] for b in batch])
                 batch = []

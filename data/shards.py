@@ -13,6 +13,7 @@ import subprocess
 import tarfile
 import urllib.error
 import urllib.request
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -82,6 +83,9 @@ def _check_urls(urls: list, spec: str, what: str):
         failed = [f for f in pool.map(probe, http) if f]
     if failed:
         raise DataError(f"{what} '{spec}': cannot open {len(failed)} of {len(http)} URLs, e.g. {failed[0]}")
+    pipes = [u for u in urls if u.startswith("pipe:")]
+    if pipes and (why := _probe_pipe(pipes[0])):  # the first shard's command: one run, not one per shard
+        raise DataError(f"{what} '{spec}': {why}")
 
 
 def parse_spec(spec: str, what: str) -> list[Source]:
@@ -106,38 +110,97 @@ def parse_spec(spec: str, what: str) -> list[Source]:
     return sources
 
 
+class _PipeStream:
+    """The stdout of a `pipe:` source's command; `close()` waits for the command and keeps its exit status and the
+    end of its stderr, so that a command that failed is named as such."""
+
+    def __init__(self, command: str):
+        self.command = command
+        self.proc = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.stderr = b""
+
+    def read(self, *args):
+        return self.proc.stdout.read(*args)
+
+    def close(self) -> int:
+        self.proc.stdout.close()
+        self.stderr = self.proc.stderr.read()[-2000:]
+        self.proc.stderr.close()
+        return self.proc.wait()
+
+    def failure(self) -> str:
+        """'' if the command exited 0, else what it exited with and its last line of stderr."""
+        rc = self.proc.returncode
+        if rc in (0, None):
+            return ""
+        last = self.stderr.decode(errors="replace").strip().splitlines()
+        return (f"command '{self.command}' exited with status {rc}" if rc > 0 else
+                f"command '{self.command}' was killed by signal {-rc}") + (f" ({last[-1][:200]})" if last else "")
+
+
+PIPE_PROBE_BYTES = 512  # a tar header: the first member of a shard the command really streams
+
+
+def _probe_pipe(url: str) -> str:
+    """'' if a `pipe:` command starts streaming (its first tar header), else why not: its exit status and stderr."""
+    stream = _PipeStream(url[5:])
+    try:
+        head = stream.read(PIPE_PROBE_BYTES)
+    finally:
+        stream.proc.kill() if stream.proc.poll() is None else None
+        stream.close()
+    if len(head) == PIPE_PROBE_BYTES:
+        return ""
+    return stream.failure() or f"command '{url[5:]}' wrote {len(head)} bytes, not a tar shard"
+
+
 def open_shard(url: str):
     """A readable byte stream for a local path, an http(s) URL or a `pipe:` command."""
     if url.startswith(("http://", "https://")):
         return urllib.request.urlopen(url, timeout=60)
     if url.startswith("pipe:"):
-        proc = subprocess.Popen(url[5:], shell=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        return proc.stdout
+        return _PipeStream(url[5:])
     return open(url, "rb")
 
 
 def iter_samples(url: str, errors: list, skip: int = 0):
     """Raw samples ({"__key__", ext: bytes, ...}) of one shard, after the first `skip`.
 
-    A shard that cannot be opened, or is truncated or corrupt partway, ends early: the problem is
-    appended to `errors` and the samples read so far stand.
+    A shard that cannot be opened, is truncated or corrupt partway, or whose `pipe:` command fails, ends early: the
+    problem is appended to `errors` and the samples read so far stand.
     """
     try:
         stream = open_shard(url)
     except (OSError, urllib.error.URLError) as e:
         errors.append(f"cannot open {url}: {e}")
         return
+    corrupt, ended = None, False
     try:
         members = ({**m, "__url__": url} for m in tar_file_iterator(stream))
         for i, sample in enumerate(group_by_keys(members)):
             if i >= skip:
                 yield sample
+        ended = True
     except (tarfile.TarError, OSError, EOFError, ValueError) as e:
-        errors.append(f"{url} is truncated or corrupt: {e}")
+        corrupt, ended = f"{url} is truncated or corrupt: {e}", True
     finally:
-        stream.close()
+        failed = ""
+        if isinstance(stream, _PipeStream) and not ended:
+            stream.proc.kill()  # left early (a seek, or the end of an epoch): not a failure
+            stream.close()
+        elif isinstance(stream, _PipeStream):
+            stream.close()
+            failed = stream.failure()  # the command's own failure says more than the cut-off tar it left
+        else:
+            stream.close()
+        if failed or corrupt:
+            errors.append(f"{url}: {failed}" if failed else corrupt)
 
 
 def count_samples(url: str) -> int:
     """Samples in a shard, by reading it (for sources without `_info.json`)."""
-    return sum(1 for _ in iter_samples(url, []))
+    errors = []
+    count = sum(1 for _ in iter_samples(url, errors))
+    for e in errors:  # the first read of a shard without _info.json: its problems show here first
+        warnings.warn(f"skipped data: {e}")
+    return count

@@ -35,6 +35,7 @@ class Resume:
     tag: str  # the checkpoint written by training
     state: dict | None  # train_state.json, None for a checkpoint without one
     universal: bool  # written by another world size: load `<tag>_universal`
+    note: str = ""  # a warning for the user: `latest` named a checkpoint that is not there
 
     @property
     def path(self) -> str:
@@ -65,6 +66,13 @@ def find_resume(cfg: Config, world_size: int) -> Resume | None:
         tag = newest_checkpoint(load_dir)
     else:  # one checkpoint
         load_dir, tag = os.path.split(cfg.resume.rstrip("/"))
+    note = ""
+    if cfg.resume == "latest" or load_dir == cfg.resume.rstrip("/"):
+        named = latest_tag(load_dir)
+        if named and named != tag and not os.path.isfile(os.path.join(load_dir, named, STATE_FILE)):
+            note = (f"warning: {os.path.join(load_dir, 'latest')} names {named}, which is " +
+                    ("incomplete" if os.path.isdir(os.path.join(load_dir, named)) else "not there") +
+                    f": resuming from {tag}, the newest complete checkpoint")
     path = os.path.join(load_dir, tag)
     if not os.path.isdir(path):
         raise ConfigError(f"resume: checkpoint directory '{path}' does not exist")
@@ -74,7 +82,7 @@ def find_resume(cfg: Config, world_size: int) -> Resume | None:
     except json.JSONDecodeError as e:
         raise ConfigError(f"resume: {state_file} is not valid JSON ({e})") from None
     if state is None:  # written elsewhere: DeepSpeed checks its own files when it loads them
-        return Resume(load_dir, tag, None, False)
+        return Resume(load_dir, tag, None, False, note)
     if state["zero_stage"] != cfg.zero_stage:
         raise ConfigError(f"resume: checkpoint {path} was written under ZeRO-{state['zero_stage']} and this run uses "
                           f"ZeRO-{cfg.zero_stage}; resume it with --zero_stage {state['zero_stage']}")
@@ -83,7 +91,28 @@ def find_resume(cfg: Config, world_size: int) -> Resume | None:
         raise ConfigError(f"resume: checkpoint {path} is incomplete: {len(missing)} of the files its "
                           f"{state['world_size']} ranks wrote are missing ({', '.join(missing[:4])}"
                           f"{', ...' if len(missing) > 4 else ''})")
-    return Resume(load_dir, tag, state, state["world_size"] != world_size)
+    return Resume(load_dir, tag, state, state["world_size"] != world_size, note)
+
+
+_SIZE_MISMATCH = re.compile(r"size mismatch for ([\w.]+): copying a param with shape torch\.Size\(\[([\d, ]*)\]\) "
+                            r"from checkpoint, the shape in current model is torch\.Size\(\[([\d, ]*)\]\)")
+_KEYS = re.compile(r'(Missing|Unexpected) key\(s\) in state_dict: ((?:"[^"]+"(?:, )?)+)')
+
+
+def describe_load_error(e: BaseException, path: str) -> str | None:
+    """One line for a checkpoint of another model (torch's strict load lists every mismatch): the first
+    mismatched parameter with both shapes, or the first missing or unexpected one; None for any other error."""
+    text = str(e)
+    if sizes := _SIZE_MISMATCH.findall(text):
+        name, theirs, ours = sizes[0]
+        count, first = len(sizes), f"{name} is [{theirs}] there and [{ours}] here"
+    elif keys := _KEYS.search(text):
+        names = re.findall(r'"([^"]+)"', keys.group(2))
+        count, first = len(names), f"{names[0]} is {'missing from' if keys.group(1) == 'Missing' else 'unexpected in'} it"
+    else:
+        return None
+    return (f"resume: {path} is a checkpoint of another model ({count} parameters differ; first: {first}): resume "
+            f"a checkpoint of this model, or start this one in another output_dir")
 
 
 def complete_checkpoints(ckpt_dir: str) -> list[tuple[int, str]]:
@@ -100,6 +129,11 @@ def newest_checkpoint(ckpt_dir: str) -> str | None:
     complete = complete_checkpoints(ckpt_dir)
     if complete:
         return complete[-1][1]
+    return latest_tag(ckpt_dir)
+
+
+def latest_tag(ckpt_dir: str) -> str | None:
+    """The tag DeepSpeed's `latest` file names, or None."""
     latest = os.path.join(ckpt_dir, "latest")
     return open(latest).read().strip() if os.path.isfile(latest) else None
 

@@ -130,20 +130,26 @@ def is_comm_error(e: BaseException) -> bool:
 
 
 class Heartbeat:
-    """Every rank records what it is doing (the step) in the process group's store, at `heartbeat/<rank>`; when a collective fails, or
-    this rank makes no progress for `timeout_s`, the report says where each rank last was, which names the rank
-    that died or stalled.
+    """Every rank records what it is doing (the step) in the process group's store, at `heartbeat/<rank>`; when a
+    collective fails, or this rank makes no progress for `timeout_s`, the report says where each rank last was,
+    which names the rank that died or stalled. A rank that fails (`fail_fast`) says so in the store, and every other
+    rank's watchdog ends its own process within a second of reading it.
 
     The watchdog is this rank's own clock, not the backend's: DeepSpeed's shared-memory all-reduce (CPU ranks on
-    one node) waits for a stalled peer without any timeout, and a hung NCCL kernel may not raise either.
+    one node) waits for a stalled peer without any timeout, and a hung NCCL kernel may not raise either. It reads
+    the main loop's progress (`beat`), never the process's: a rank whose main thread has died is not alive.
     """
+
+    POLL_S = 1.0
 
     def __init__(self, rank: int, world_size: int, timeout_s: float, exit_code: int):
         from engine.compat import default_store
 
         self.store, self.rank, self.world_size = default_store(), rank, world_size
         self.what, self.since = "starting", time.monotonic()
-        self.timeout_s, self.exit_code = timeout_s, exit_code
+        self.timeout_s, self.exit_code, self.failing = timeout_s, exit_code, False
+        # one key per launch attempt: torchrun's store outlives a restart of the workers
+        self.failed_key = f"failed/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         threading.Thread(target=self._watch, daemon=True, name="heartbeat").start()
 
     def beat(self, what: str):
@@ -152,12 +158,35 @@ class Heartbeat:
 
     def _watch(self):
         while True:
-            time.sleep(min(5.0, self.timeout_s / 4))
+            time.sleep(min(self.POLL_S, self.timeout_s / 4))
+            self.stop_if_another_failed()
             stuck = time.monotonic() - self.since
             if stuck > self.timeout_s:
                 self.fail(f"no progress for {stuck:.0f} s at '{self.what}' (dist_timeout {self.timeout_s:g} s)")
 
+    def announce_failure(self, what: str):
+        """Tell every rank that this rank failed (`what`: one line); best effort. The read after the write returns
+        once the store holds it, before this process ends and its peers' collectives fail."""
+        self.failing = True
+        try:
+            self.store.set(self.failed_key, what)
+            self.store.check([self.failed_key])
+        except Exception:  # the store's host is gone: the launcher ends the others
+            pass
+
+    def stop_if_another_failed(self):
+        """End this process (exit 1) if another rank announced its failure: its line is the job's reason."""
+        try:
+            failed = not self.failing and self.store.check([self.failed_key])
+            reason = failed and self.store.get(self.failed_key).decode()
+        except Exception:  # the store's host is ending: the caller's own checks still hold
+            return
+        if failed:
+            print(f"error: rank {self.rank}: stopping at {self.what}, because {reason}", file=sys.stderr, flush=True)
+            os._exit(EXIT_FAILED)
+
     def fail(self, what: str):
+        self.stop_if_another_failed()  # a collective that failed because another rank had: that rank's reason
         print(f"error: rank {self.rank}: {what}. Where the ranks last reported: {self.report()}. Another rank died or "
               f"stalled (out of memory, a hung data read, a lost node): one behind the others, or the first whose "
               f"own log stops", file=sys.stderr, flush=True)
@@ -175,16 +204,45 @@ class Heartbeat:
             return "the master's store did not answer within 5 s: its host (rank 0's node) is the one that stopped"
 
 
-def exit_on_comm_errors(heartbeat: Heartbeat):
-    """From here on, an uncaught error of a collective (a rank died, stalled past dist_timeout, or lost its network)
-    prints one line saying where every rank was and exits with the heartbeat's code; other errors keep their
-    traceback."""
-    default = sys.excepthook
+EXIT_FAILED = 1  # an exception on some rank ended the job
 
+
+def fail_fast(heartbeat: Heartbeat, run_dir: str, before_exit: list):
+    """From here on, an uncaught exception on this rank ends the whole job within seconds instead of leaving the
+    other ranks waiting in their next collective until `dist_timeout`:
+    - the full traceback goes to `<run_dir>/errors/rank<N>.txt`, one line to stderr naming the rank, where it was
+      (the heartbeat's step and phase) and the exception;
+    - every callable in `before_exit` runs (the logs' flushes: nothing already written is lost);
+    - the store tells the other ranks, whose watchdogs stop them (exit 1), and this process ends at once with exit
+      code 1, whatever threads are left (`os._exit`).
+    An error of a collective is the other ranks' failure seen from here: it keeps its own line and exit code
+    (where every rank was; the heartbeat's code)."""
     def hook(kind, value, tb):
-        if not is_comm_error(value):
-            return default(kind, value, tb)
-        first = str(value).strip().splitlines()[0] if str(value).strip() else kind.__name__
-        heartbeat.fail(f"a collective failed ({first})")
+        if is_comm_error(value):
+            first = str(value).strip().splitlines()[0] if str(value).strip() else kind.__name__
+            heartbeat.fail(f"a collective failed ({first})")
+        import traceback
+
+        first = str(value).strip().splitlines()[0] if str(value).strip() else ""
+        line = f"rank {heartbeat.rank} failed at {heartbeat.what}: {kind.__name__}" + (f": {first}" if first else "")
+        path = os.path.join(run_dir, "errors", f"rank{heartbeat.rank}.txt")
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as f:
+                f.write(line + "\n\n" + "".join(traceback.format_exception(kind, value, tb)))
+            where = f" (traceback: {path})"
+        except OSError:
+            where = ""
+            traceback.print_exception(kind, value, tb)
+        print(f"error: {line}{where}", file=sys.stderr, flush=True)
+        heartbeat.announce_failure(line)
+        for fn in before_exit:
+            try:
+                fn()
+            except Exception:  # a log that cannot be flushed must not keep the job alive
+                pass
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_FAILED)
 
     sys.excepthook = hook

@@ -4,6 +4,7 @@ directory or a hub model id (fetched by transformers into its cache when the hub
 import contextlib
 import copy
 import hashlib
+import json
 import os
 import socket
 from urllib.parse import urlparse
@@ -80,6 +81,28 @@ def model_config(name: str, num_labels: int, image_size: int, patch_size: int = 
     elif config.model_type == "vit":
         _check_vit_patches(config)
     return config
+
+
+def check_weight_files(model_dir: str):
+    """ValueError naming the first unreadable safetensors file of a local model directory and what is wrong with
+    it: a header that does not parse, or tensors past the end of a truncated file. Reads headers only."""
+    import struct
+
+    for file in sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors")):
+        path = os.path.join(model_dir, file)
+        size = os.path.getsize(path)
+        try:
+            with open(path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                if n > size - 8:
+                    raise ValueError(f"its header claims {n} bytes and the file holds {size}")
+                header = json.loads(f.read(n))
+            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        except (struct.error, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"model: {path} is not a readable safetensors file ({e}): copy it again") from None
+        if 8 + n + end > size:
+            raise ValueError(f"model: {path} is truncated: its tensors end at byte {8 + n + end:,} and the file holds "
+                             f"{size:,}: copy it again")
 
 
 def pretrained_config(name: str, **overrides):

@@ -59,7 +59,7 @@ def make_shards(root, n_shards, per_shard, prefix="train", key_prefix="s"):
 
 
 def read_epoch(spec, world_size, num_workers, mbs, mode="epoch", batches=None, state=None, block=16, seed=0,
-               grad_accum=1, streams=0):
+               grad_accum=1, streams=0, num_labels=None):
     """{rank: ([keys of each batch], loader)} read through real DataLoader worker processes. `state`: the run's
     data position, as resume_state gives it."""
     sources = parse_spec(spec, "train_shards")
@@ -67,7 +67,8 @@ def read_epoch(spec, world_size, num_workers, mbs, mode="epoch", batches=None, s
     for rank in range(world_size):
         ds = ShardStream(sources, mode=mode, rank=rank, world_size=world_size, num_workers=num_workers,
                          micro_batch_size=mbs, shuffle_buffer=block, seed=seed, grad_accum_steps=grad_accum,
-                         streams=streams, transform=TrainTransform(PROCESSOR, 1.0, 0.0, 0), state=state)
+                         streams=streams, transform=TrainTransform(PROCESSOR, 1.0, 0.0, 0), state=state,
+                         num_labels=num_labels)
         loader = TrainLoader(ds, num_workers)
         n = batches if batches is not None else ds.batches_per_rank_epoch()
         out[rank] = ([next(loader)[2]["keys"] for _ in range(n)], loader)
@@ -181,7 +182,8 @@ def test_bad_data_is_skipped_counted_and_batches_stay_equal(tmp_path):
         ("bad_image", {"png": b"\x89PNG not an image", "cls": b"1"}),
         ("no_label", {"png": png(1)}),
         ("bad_label", {"png": png(1), "cls": b"seven"}),
-    ] + [good(1, i) for i in range(30, 37)])
+        ("label_42", {"png": png(1), "cls": b"42"}),  # outside [0, num_labels): a corrupt sample, not a crash
+    ] + [good(1, i) for i in range(30, 36)])
     write_shard(tmp_path / "train-000002.tar", [good(2, i) for i in range(40)])
     with open(tmp_path / "train-000002.tar", "r+b") as f:  # cut mid-member, as a failed upload leaves it
         f.truncate(os.path.getsize(tmp_path / "train-000002.tar") // 2 + 100)
@@ -189,16 +191,16 @@ def test_bad_data_is_skipped_counted_and_batches_stay_equal(tmp_path):
                                  "shard_lengths": [40, 40, 40]}}}
     (tmp_path / "_info.json").write_text(json.dumps(info))
 
-    epoch = read_epoch(f"{tmp_path}/train-{{000000..000002}}.tar", world_size=2, num_workers=2, mbs=4)
+    epoch = read_epoch(f"{tmp_path}/train-{{000000..000002}}.tar", world_size=2, num_workers=2, mbs=4, num_labels=10)
     counts = [len(batches) for batches, _ in epoch.values()]
     assert counts[0] == counts[1] == 14  # 120 slots / 4 consumers = 30 -> 7 batches of 4 per worker
     keys = [k for batches, _ in epoch.values() for batch in batches for k in batch]
-    assert not {"bad_image", "no_label", "bad_label"} & set(keys)
+    assert not {"bad_image", "no_label", "bad_label", "label_42"} & set(keys)
     assert all(k.startswith(("s0_", "s1_", "s2_")) for k in keys)
     assert len({k for k in keys if k.startswith("s2_")}) <= 25  # the truncated shard lost about half its samples
     skipped = sum(loader.skipped for _, loader in epoch.values())
     padded = sum(loader.padded for _, loader in epoch.values())
-    assert skipped >= 3 and len(keys) - padded == len(set(keys))  # at most once, unless padded (counted)
+    assert skipped >= 4 and len(keys) - padded == len(set(keys))  # at most once, unless padded (counted)
 
 
 def test_missing_pattern_and_dead_url_are_one_clear_error(tmp_path):
