@@ -11,8 +11,6 @@ The run directory receives config.yaml, ds_config.json, ac_plan.json, hf_config/
 (tb/), DeepSpeed checkpoints (checkpoints/) and, at the end, hf_model/ for `transformers.pipeline`.
 """
 import contextlib
-import errno
-import io
 import json
 import math
 import os
@@ -51,10 +49,6 @@ from models.registry import check_weight_files
 RESEED_STRIDE = 1_000_003
 EXIT_NONFINITE = 5  # max_bad_steps non-finite steps in a row, or a non-finite model at export
 EXIT_COLLECTIVE = 6  # a collective failed, or no progress for dist_timeout: another rank died or stalled
-# fault injection for the tests: a comma-separated list of steps whose loss is made NaN, and "STEP:RANK" pairs
-# whose checkpoint write fails half-way on that rank with ENOSPC, as on a full disk
-INJECT_NAN_ENV = "TRAIN_INJECT_NAN_AT"
-INJECT_ENOSPC_ENV = "TRAIN_INJECT_ENOSPC_AT"
 
 
 def check_run(cfg: Config, world_size: int, rank: int):
@@ -195,25 +189,6 @@ def full_state_dict(engine, rank: int) -> dict:
             if rank == 0:
                 state.update({f"{prefix}.{n}" if prefix else n: p.detach().cpu().clone() for n, p in own.items()})
     return state
-
-
-@contextlib.contextmanager
-def disk_full(engine):
-    """Fault injection: while active, each checkpoint file this rank writes is cut half-way by ENOSPC."""
-    original = engine.checkpoint_engine.save
-
-    def save(state_dict, path):
-        buffer = io.BytesIO()
-        torch.save(state_dict, buffer)
-        with open(path, "wb") as f:
-            f.write(buffer.getbuffer()[:buffer.tell() // 2])
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
-
-    engine.checkpoint_engine.save = save
-    try:
-        yield
-    finally:
-        engine.checkpoint_engine.save = original
 
 
 def _record_step(line: str) -> float:
@@ -403,8 +378,6 @@ def main(argv=None):
     top1 = top5 = result = ema_result = None
     timed_images, timed_seconds, run_start = 0, 0.0, time.perf_counter()
     data_totals = torch.zeros(2, dtype=torch.float64, device=device)  # samples skipped, padded: all ranks
-    nan_at = {int(s) for s in os.environ.get(INJECT_NAN_ENV, "").split(",") if s.strip()}
-    enospc_at = {tuple(map(int, s.split(":"))) for s in os.environ.get(INJECT_ENOSPC_ENV, "").split(",") if s.strip()}
     bad_in_a_row = bad_total = 0
     for step in range(start_step + 1, cfg.max_steps + 1):
         heartbeat.beat(f"step {step}")
@@ -430,8 +403,6 @@ def main(argv=None):
             images, targets = mix_batch(images, labels, cfg.num_labels, cfg.mixup, cfg.cutmix, mix_rng)
             logits = engine(images.to(dtype)).logits.float()  # (B, num_labels)
             loss = F.cross_entropy(logits, targets, label_smoothing=cfg.label_smoothing)
-            if step in nan_at:
-                loss = loss * float("nan")
             engine.backward(loss)  # DeepSpeed divides by grad_accum_steps
             engine.step()  # optimizer and LR schedule advance only at the accumulation boundary
             sums[:3] += torch.stack([loss.detach().double(), torch.tensor(meta["skipped"], dtype=torch.float64,
@@ -498,10 +469,9 @@ def main(argv=None):
             dist.all_gather_object(positions, train_batches.state_dict())
             state = {"step": step, "world_size": world_size, "zero_stage": cfg.zero_stage,
                      "val_top1": record.get("val_top1"), "data": merge_states(positions)}
-            with disk_full(engine) if (step, rank) in enospc_at else contextlib.nullcontext():
-                saved = save(engine, ckpt_dir, step, state, keep_last=cfg.keep_last, keep_best=cfg.keep_best,
-                             min_free_gb=cfg.min_free_gb, estimate_bytes=checkpoint_estimate,
-                             log=bar.write if rank == 0 else lambda *a: None, also=ema.save if ema else None)
+            saved = save(engine, ckpt_dir, step, state, keep_last=cfg.keep_last, keep_best=cfg.keep_best,
+                         min_free_gb=cfg.min_free_gb, estimate_bytes=checkpoint_estimate,
+                         log=bar.write if rank == 0 else lambda *a: None, also=ema.save if ema else None)
         if preempted:
             close_logs()
             if rank == 0:

@@ -13,12 +13,16 @@ The faults (`--kinds`, default all), each at a random step, save, evaluation or 
   sigterm        SIGTERM to the job, as Slurm and Kubernetes send it before a kill
   sigusr1        SIGUSR1 to the ranks, as Slurm's --signal sends it
   stall          SIGSTOP of one rank: the others must stop the job within dist_timeout
-  nan            a NaN loss injected into one step (TRAIN_INJECT_NAN_AT)
-  enospc         one rank's checkpoint write fails half-way with ENOSPC (TRAIN_INJECT_ENOSPC_AT)
+  nan            a NaN loss injected into one step (benchmarks/inject: INJECT_NAN_AT)
+  enospc         one rank's checkpoint write fails half-way with ENOSPC (benchmarks/inject: INJECT_ENOSPC_AT)
   disk-full      the checkpoint volume (a 16 MiB tmpfs) filled before or during a save, freed 15 steps later;
                  needs mount permission, else the fault is reported as not run
   shard-truncate a training shard cut at a random byte mid-run
   shard-delete   a training shard deleted mid-run
+  raise          an exception raised in one rank's step (benchmarks/inject: INJECT_RAISE): the job must end in
+                 seconds with exit 1 and the rank's traceback in errors/
+  bad-label      a shard whose labels are out of range (>= num_labels) at a few samples: skipped and counted
+  pipe-fail      the shards read through a `pipe:` command that fails half-way through one of them
 
 Kill, signal and stall faults end the job; it is relaunched (at most twice) with `--resume latest`. The others
 must leave the job running to its end. For each fault the report says whether it landed where it was aimed,
@@ -44,11 +48,16 @@ from dataclasses import asdict, dataclass, field
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 BIN = os.path.dirname(sys.executable)
+INJECT = os.path.join(REPO, "benchmarks", "inject")  # sitecustomize.py: the faults a job gets from its environment
 KINDS = ("kill-rank", "kill-job", "kill-save", "kill-eval", "kill-export", "sigterm", "sigusr1", "stall", "nan",
-         "enospc", "disk-full", "shard-truncate", "shard-delete")
+         "enospc", "disk-full", "shard-truncate", "shard-delete", "raise", "bad-label", "pipe-fail")
 LAUNCHERS = ("deepspeed", "torchrun", "accelerate")
-ENDS_THE_JOB = {"kill-rank", "kill-job", "kill-save", "kill-eval", "kill-export", "sigterm", "sigusr1", "stall"}
-CHANGES_TRAINING = {"nan", "shard-truncate", "shard-delete"}
+ENDS_THE_JOB = {"kill-rank", "kill-job", "kill-save", "kill-eval", "kill-export", "sigterm", "sigusr1", "stall",
+                "raise"}
+CHANGES_TRAINING = {"nan", "shard-truncate", "shard-delete", "bad-label", "pipe-fail"}
+# the faults whose launcher is drawn (the others run under deepspeed): those where the launchers differ
+ANY_LAUNCHER = ("kill-rank", "sigterm", "stall", "raise")
+BAD_LABELS = 12  # samples of one shard relabelled past num_labels (bad-label)
 # the job every fault hits: the debug ViT on the digits, 2 ranks, checkpoints every 10 steps
 MAX_STEPS, SAVE_EVERY, EVAL_EVERY = 60, 10, 20
 JOB_ARGS = ["--model", "vit-debug", "--image_size", "16", "--micro_batch_size", "16", "--max_steps", str(MAX_STEPS),
@@ -102,6 +111,8 @@ def command(launcher: str, port: int) -> list:
 def start(launcher: str, args: list, log_path: str, env_extra: dict | None = None):
     """A 2-rank job in its own session (its process group is the job, as a scheduler sees it)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **(env_extra or {}))
+    if any(k.startswith("INJECT_") for k in env_extra or {}):  # faults installed from outside train.py
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (INJECT, env.get("PYTHONPATH", "")) if p)
     env.pop("RANK", None)
     port = free_port()
     log = open(log_path, "a")
@@ -233,10 +244,22 @@ def run_episode(ep: Episode, rng: random.Random, base_args: list, shards: dict, 
     t0 = time.monotonic()
     run, log_path = os.path.join(work, "run"), os.path.join(work, "log.txt")
     train_shards = shards["train"]
-    if ep.kind.startswith("shard-"):  # a private copy to damage
+    if ep.kind.startswith("shard-") or ep.kind == "bad-label":  # a private copy to damage
         copy = os.path.join(work, "shards")
         shutil.copytree(shards["dir"], copy)
         train_shards = shards["train"].replace(shards["dir"], copy)
+    if ep.kind == "bad-label":
+        shard = f"train-{rng.randint(0, 3):06d}.tar"
+        relabel(os.path.join(copy, shard), {i: 10 + i for i in rng.sample(range(300), BAD_LABELS)})
+        ep.aim, ep.hit = f"{BAD_LABELS} samples of {shard}", True
+    elif ep.kind == "pipe-fail":  # every shard through a command; one breaks off half-way (exit 7) once each rank
+        # has read it whole to count it: a download that fails mid-run
+        shard = f"train-{rng.randint(1, 3):06d}.tar"  # not the first: its command is probed before training
+        script = os.path.join(work, "fetch.sh")
+        with open(script, "w") as f:
+            f.write(pipe_failing_after_counts(shard, os.path.join(work, "reads")))
+        train_shards = f"pipe:sh {script} {shards['train']}"
+        ep.aim = f"{shard}, half-way"
     args = base_args + FAULT_ARGS + ["--zero_stage", ep.stage, "--train_shards", train_shards,
                                      "--val_shards", shards["val"], "--output_dir", run]
     max_steps, save_every, eval_every = (int(arg(base_args, k)) for k in ("max_steps", "save_every", "eval_every"))
@@ -245,10 +268,13 @@ def run_episode(ep: Episode, rng: random.Random, base_args: list, shards: dict, 
     step = rng.randint(3, max_steps - 3)
     env, mounted, filler = {}, None, None
     if ep.kind == "nan":
-        env["TRAIN_INJECT_NAN_AT"], ep.aim = str(step), f"step {step}"
+        env["INJECT_NAN_AT"], ep.aim = str(step), f"step {step}"
     elif ep.kind == "enospc":
         save_at, victim = rng.choice(saves), rng.randint(0, 1)
-        env["TRAIN_INJECT_ENOSPC_AT"], ep.aim = f"{save_at}:{victim}", f"save {save_at}, rank {victim}"
+        env["INJECT_ENOSPC_AT"], ep.aim = f"{save_at}:{victim}", f"save {save_at}, rank {victim}"
+    elif ep.kind == "raise":
+        step, victim = rng.randint(3, eval_every - 1), rng.randint(0, 1)  # before the first evaluation
+        env["INJECT_RAISE"], ep.aim = f"{victim}:{step}", f"step {step}, rank {victim}"
     elif ep.kind == "disk-full":
         mounted = os.path.join(run, "checkpoints")
         os.makedirs(mounted)
@@ -322,6 +348,7 @@ def run_episode(ep: Episode, rng: random.Random, base_args: list, shards: dict, 
                 wait_until(lambda: steps_logged(run) >= save_at + 15, proc, poll=0.05)
                 os.remove(filler)
         code = finish(proc, timeout=240)
+        first_launch_s = time.monotonic() - t0
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -341,6 +368,10 @@ def run_episode(ep: Episode, rng: random.Random, base_args: list, shards: dict, 
         ep.hit = ep.hit and "-9" in out
     elif ep.kind in ("enospc", "disk-full"):
         ep.hit = "not written" in out
+    elif ep.kind == "raise":  # exit 1 with the rank's one line and its traceback, within seconds
+        ep.hit = (code == 1 and f"error: rank {victim} failed at step {step}: RuntimeError" in out
+                  and os.path.isfile(os.path.join(run, "errors", f"rank{victim}.txt")))
+        ep.note = f"the faulty launch ended {first_launch_s:.0f} s after it started"
 
     # relaunch until the run finishes
     for _ in range(2):
@@ -367,23 +398,56 @@ def run_episode(ep: Episode, rng: random.Random, base_args: list, shards: dict, 
         records, ref = read_metrics(run), read_metrics(reference)
         if [r["step"] for r in records] != list(range(1, max_steps + 1)):
             ep.lost.append("metrics.jsonl records missing or repeated")
-        first_changed = {"nan": step, "shard-truncate": step - 1, "shard-delete": step - 1}.get(ep.kind, max_steps + 1)
+        # bad-label and pipe-fail change the data from the start: nothing to compare, only what was counted
+        first_changed = {"nan": step, "shard-truncate": step - 1, "shard-delete": step - 1, "bad-label": 1,
+                         "pipe-fail": 1}.get(ep.kind, max_steps + 1)
         n = min(first_changed - 1, len(records))
         ep.compared_steps = n
-        ep.losses_equal = [r["loss"] for r in records[:n]] == [r["loss"] for r in ref[:n]]
+        ep.losses_equal = [r["loss"] for r in records[:n]] == [r["loss"] for r in ref[:n]] if n else None
         if ep.kind not in CHANGES_TRAINING:
             ep.weights_equal = weights_equal(os.path.join(run, "hf_model"), os.path.join(reference, "hf_model"))
         if ep.kind == "nan":
             ep.counted = f"opt/nonfinite_steps {records[-1]['opt/nonfinite_steps']}, step {step} loss {records[step - 1]['loss']}"
             ep.hit = records[step - 1]["loss"] is None
-        elif ep.kind in ("shard-truncate", "shard-delete"):
+        elif ep.kind in ("shard-truncate", "shard-delete", "bad-label", "pipe-fail"):
             ep.counted = f"data/skipped {records[-1]['data/skipped']}, data/padded {records[-1]['data/padded']}"
-            ep.hit = ep.hit and records[-1]["data/skipped"] > 0
+            if ep.kind == "bad-label":  # more than one epoch: each relabelled sample is read, and skipped
+                ep.hit = records[-1]["data/skipped"] >= BAD_LABELS
+            else:
+                ep.hit = (ep.hit or ep.kind == "pipe-fail") and records[-1]["data/skipped"] > 0
     else:
         ep.lost.append("the run did not finish")
         ep.note = out[-1500:]
     ep.seconds = time.monotonic() - t0
     return ep
+
+
+def pipe_failing_after_counts(shard: str, claims: str, ranks: int = 2) -> str:
+    """A shell script for `pipe:sh SCRIPT URL`: it streams the shard at URL, but the shard named `shard` only for its
+    first `ranks` reads (each rank counts the samples of a source without _info.json once, at the start) and cut
+    off half-way with exit status 7 after that. Reads are claimed with mkdir, which is atomic."""
+    claim = " || ".join(f"mkdir {claims}-{i} 2>/dev/null" for i in range(ranks))
+    return (f'case "$1" in *{shard}) if ! {{ {claim}; }}; then head -c 200000 "$1"; exit 7; fi;; esac\n'
+            f'cat "$1"\n')
+
+
+def relabel(path: str, labels: dict):
+    """Rewrite the tar shard at `path` so that its samples numbered in `labels` ({index: label}) carry that label."""
+    import io
+    import tarfile
+
+    with tarfile.open(path) as tar:
+        members = [(m.name, tar.extractfile(m).read()) for m in tar.getmembers()]
+    with tarfile.open(path, "w") as tar:
+        index, last = -1, None
+        for name, data in members:
+            key, ext = name.split(".", 1)
+            index, last = (index + 1, key) if key != last else (index, last)
+            if ext == "cls" and index in labels:
+                data = str(labels[index]).encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
 
 
 def draw(n: int, kinds: list, seed: int) -> list:
@@ -395,7 +459,7 @@ def draw(n: int, kinds: list, seed: int) -> list:
         rng.shuffle(batch)
         order += batch
     return [Episode(kind=k, stage=rng.choice([1, 2, 3]),
-                    launcher=rng.choice(LAUNCHERS) if k in ("kill-rank", "sigterm", "stall") else "deepspeed", aim="")
+                    launcher=rng.choice(LAUNCHERS) if k in ANY_LAUNCHER else "deepspeed", aim="")
             for k in order[:n]]
 
 
@@ -411,12 +475,19 @@ def run_all(episodes: list, seed: int, base_args: list, shards: dict, references
         run_episode(ep, rng, base_args, shards, references[ep.stage], episode_dir)
         log(f"[{i + 1}/{len(episodes)}] {ep.kind} (ZeRO-{ep.stage}, {ep.launcher}, {ep.aim}): "
             f"{'hit' if ep.hit else 'MISSED'}, exits {ep.exit_codes}, "
-            f"{'finished' if ep.finished else 'NOT FINISHED'}, {ep.steps_lost} steps lost, losses "
-            f"{'equal' if ep.losses_equal else 'DIFFER'} over {ep.compared_steps} steps"
+            f"{'finished' if ep.finished else 'NOT FINISHED'}, {ep.steps_lost} steps lost, "
+            + (f"losses {'equal' if ep.losses_equal else 'DIFFER'} over {ep.compared_steps} steps"
+               if ep.losses_equal is not None else "losses not compared")
             + (f", weights {'equal' if ep.weights_equal else 'DIFFER'}" if ep.weights_equal is not None else "")
             + (f", {ep.counted}" if ep.counted else "") + (f", LOST: {'; '.join(ep.lost)}" if ep.lost else "")
             + f" ({ep.seconds:.0f} s)")
     return episodes
+
+
+def losses(eps: list) -> str:
+    """How many episodes' losses equal the uninterrupted run's, of those with steps to compare."""
+    compared = [e for e in eps if e.losses_equal is not None]
+    return f"{sum(e.losses_equal for e in compared)}/{len(compared)}" if compared else "n/a (data changed from step 1)"
 
 
 def table(episodes: list) -> str:
@@ -429,14 +500,13 @@ def table(episodes: list) -> str:
         weights = [e.weights_equal for e in eps if e.weights_equal is not None]
         rows.append(f"| {kind} | {len(eps)} | {sum(e.hit for e in eps)} | {sum(e.finished for e in eps)} | "
                     f"{sum(len(e.exit_codes) - 1 for e in eps)} | {sum(e.steps_lost for e in eps)} | "
-                    f"{sum(bool(e.losses_equal) for e in eps)}/{len(eps)}"
-                    f"{' (steps before the fault)' if kind in CHANGES_TRAINING else ''} | "
+                    f"{losses(eps)}{' (steps before the fault)' if kind in CHANGES_TRAINING and kind not in ('bad-label', 'pipe-fail') else ''} | "
                     f"{f'{sum(weights)}/{len(weights)}' if weights else 'n/a (training changed)'} | "
                     f"{sum(bool(e.lost) for e in eps) or 'none'} |")
     eps = [e for e in episodes if not e.note.startswith("not run")]
     rows.append(f"| **all** | {len(eps)} | {sum(e.hit for e in eps)} | {sum(e.finished for e in eps)} | "
                 f"{sum(len(e.exit_codes) - 1 for e in eps)} | {sum(e.steps_lost for e in eps)} | "
-                f"{sum(bool(e.losses_equal) for e in eps)}/{len(eps)} | "
+                f"{losses(eps)} | "
                 f"{sum(bool(e.weights_equal) for e in eps)}/{sum(e.weights_equal is not None for e in eps)} | "
                 f"{sum(bool(e.lost) for e in eps) or 'none'} |")
     return "\n".join(rows)

@@ -17,6 +17,15 @@ DEBUG_ARGS = ["--image_size", "16", "--micro_batch_size", "16", "--max_steps", "
               "--shuffle_buffer", "200", "--progress", "false"]
 
 
+INJECT = os.path.join(REPO, "benchmarks", "inject")  # faults installed from outside train.py (its sitecustomize.py)
+
+
+def with_faults(env: dict, faults: dict) -> dict:
+    """`env` with benchmarks/inject on PYTHONPATH and its variables set: {"RAISE": "1:3", "NAN_AT": "5,6"}."""
+    path = os.pathsep.join(p for p in (INJECT, env.get("PYTHONPATH", "")) if p)
+    return dict(env, PYTHONPATH=path, **{f"INJECT_{k}": v for k, v in faults.items()})
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,7 +1,7 @@
 """An error inside the loop ends the job in seconds; bad labels are data faults, not crashes.
 
-The exception is injected from outside the code: a sitecustomize on PYTHONPATH wraps `F.cross_entropy` on one rank
-so that its Nth call raises, in the real processes each launcher starts.
+The exception is injected from outside the code (benchmarks/inject, on PYTHONPATH): `F.cross_entropy`'s Nth call on
+one rank raises, in the real processes each launcher starts.
 """
 import io
 import os
@@ -11,20 +11,8 @@ import tarfile
 import time
 
 import pytest
-from conftest import launch, read_metrics
+from conftest import launch, read_metrics, with_faults
 
-RAISER = '''
-import os
-if os.environ.get("INJECT_RAISE_RANK") == os.environ.get("RANK"):
-    import torch.nn.functional as F
-    _cross_entropy, calls = F.cross_entropy, [0]
-    def cross_entropy(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] == int(os.environ["INJECT_RAISE_AT"]):
-            raise RuntimeError("injected: cross_entropy failed")
-        return _cross_entropy(*args, **kwargs)
-    F.cross_entropy = cross_entropy
-'''
 
 
 def port_is_free(port: int) -> bool:
@@ -43,11 +31,8 @@ def port_is_free(port: int) -> bool:
 @pytest.mark.parametrize("launcher", ["deepspeed", pytest.param("torchrun", marks=pytest.mark.slow),
                                       pytest.param("accelerate", marks=pytest.mark.slow)])  # the same hook, other launchers
 def test_an_exception_on_one_rank_ends_the_job_in_seconds(debug_args, tmp_path, monkeypatch, launcher):
-    (tmp_path / "inject").mkdir()
-    (tmp_path / "inject" / "sitecustomize.py").write_text(RAISER)
-    monkeypatch.setenv("PYTHONPATH", f"{tmp_path / 'inject'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    monkeypatch.setenv("INJECT_RAISE_RANK", "1")
-    monkeypatch.setenv("INJECT_RAISE_AT", "3")  # the third step's loss
+    for key, value in with_faults(dict(os.environ), {"RAISE": "1:3"}).items():  # rank 1, the third step's loss
+        monkeypatch.setenv(key, value)
     out = tmp_path / "run"
     started = time.monotonic()
     proc = launch(debug_args + ["--max_steps", 40, "--save_every", 2, "--output_dir", out], launcher=launcher,
@@ -126,16 +111,19 @@ def test_a_failing_pipe_source_is_one_line_before_training(debug_args, tmp_path,
     assert not out.exists()
 
 
-def test_a_pipe_source_failing_mid_run_is_skipped_and_named(digits, debug_args, tmp_path):
-    script = tmp_path / "fetch.sh"  # the third shard's download breaks off half-way
-    script.write_text('case "$1" in *000002.tar) head -c 200000 "$1"; exit 7;; *) cat "$1";; esac\n')
+def test_a_pipe_source_failing_mid_run_is_skipped_counted_and_named(digits, debug_args, tmp_path):
+    from benchmarks.fault_injection import pipe_failing_after_counts
+
+    script = tmp_path / "fetch.sh"  # the third shard: whole while the ranks count it, then cut off with exit 7
+    script.write_text(pipe_failing_after_counts("train-000002.tar", str(tmp_path / "reads")))
     out = tmp_path / "run"
     spec = f"pipe:sh {script} {digits['dir']}/train-{{000000..000003}}.tar"
-    proc = launch(debug_args + ["--train_shards", spec, "--max_steps", 30, "--eval_every", 0, "--save_every", 0,
-                                "--output_dir", out], warnings=True)
+    proc = launch(debug_args + ["--model", "vit-debug", "--micro_batch_size", 64, "--train_shards", spec,
+                                "--max_steps", 12, "--eval_every", 0, "--save_every", 0, "--output_dir", out],
+                  warnings=True)  # past the first epoch (11 steps): the shard is read after its count
     named = [line for line in (proc.stdout + proc.stderr).splitlines() if "exited with status 7" in line]
     assert named and all("000002.tar" in line for line in named), proc.stdout[-3000:]
-    assert read_metrics(out)[-1]["step"] == 30
+    assert read_metrics(out)[-1]["data/skipped"] > 0
 
 
 @pytest.fixture
@@ -185,3 +173,14 @@ def test_a_truncated_weight_file_is_one_line(tmp_path, debug_args):
     assert len(errors) == 1 and errors[0].startswith(f"error: model: {weights} is truncated: its tensors end at byte "
                                                      f"{size:,} and the file holds {size // 2:,}"), proc.stderr
     assert not out.exists()
+
+
+def test_no_fault_hook_is_read_by_the_training_code():
+    """Faults come from outside (benchmarks/inject): train.py and the library read no injection variable."""
+    from conftest import REPO
+
+    files = ["train.py", "config.py", "plan.py", "export.py"] + [
+        os.path.join(d, f) for d in ("engine", "models", "data") for f in os.listdir(os.path.join(REPO, d))
+        if f.endswith(".py")]
+    readers = [f for f in files if "INJECT" in open(os.path.join(REPO, f)).read()]
+    assert readers == []

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import BIN, REPO, free_port, launch, read_metrics
+from conftest import BIN, REPO, free_port, launch, read_metrics, with_faults
 
 from engine.preemption import DUPLICATE_WINDOW_S, EXIT_GRACE_EXPIRED, EXIT_PREEMPTED
 from train import EXIT_COLLECTIVE, EXIT_NONFINITE
@@ -156,12 +156,12 @@ def test_a_checkpoint_the_disk_cannot_hold_is_skipped_and_training_goes_on(debug
 
 
 def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(debug_args, tmp_path):
-    """NaN injected into the loss of steps 5 and 6 (TRAIN_INJECT_NAN_AT): both steps are skipped on every rank,
+    """NaN injected into the loss of steps 5 and 6 (benchmarks/inject's INJECT_NAN_AT): both steps are skipped on every rank,
     counted, and logged as null; the LR schedule does not advance over them, and the run finishes and exports.
     Injected into 3 steps in a row with max_bad_steps 3: the run stops there with EXIT_NONFINITE and one line."""
     args = debug_args + ["--model", "vit-debug", "--zero_stage", 3, "--max_steps", 10, "--eval_every", 0,
                          "--save_every", 0]
-    env = dict(os.environ, TRAIN_INJECT_NAN_AT="5,6")
+    env = with_faults(dict(os.environ), {"NAN_AT": "5,6"})
     run = tmp_path / "skipped"
     proc = subprocess.run([f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "train.py",
                            *map(str, args + ["--output_dir", run])], cwd=REPO, capture_output=True, text=True,
@@ -181,7 +181,7 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(debug_args, tmp_pa
         assert [r["opt/skipped_steps"] for r in records] == [0] * 4 + [1, 2] + [2] * 4
         assert records[6]["lr"] == records[4]["lr"]
 
-    env["TRAIN_INJECT_NAN_AT"] = "3,4,5,6"
+    env["INJECT_NAN_AT"] = "3,4,5,6"
     run = tmp_path / "stopped"
     proc = subprocess.run([sys.executable, "train.py", *map(str, args + ["--max_bad_steps", 3, "--output_dir", run])],
                           cwd=REPO, capture_output=True, text=True, timeout=120,

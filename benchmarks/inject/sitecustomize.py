@@ -1,0 +1,108 @@
+"""Faults for the tests and the fault-injection harness, installed from outside train.py.
+
+Put this folder on PYTHONPATH and set one of the variables below: Python imports `sitecustomize` when each process
+of the job starts, and this one patches the functions a fault hits as their modules are imported. Without the
+variables it installs nothing; train.py itself reads none of them.
+
+    INJECT_RAISE=RANK:N         the Nth call of torch.nn.functional.cross_entropy on RANK raises a RuntimeError
+    INJECT_NAN_AT=S1,S2         every loss of the steps S1, S2 (every rank) is NaN
+    INJECT_ENOSPC_AT=S:R,...    rank R's checkpoint files at step S are cut half-way and fail with ENOSPC, as on a
+                                full disk
+
+Steps are read from the heartbeat, whose `beat("step N")` starts each step of train.py's loop.
+"""
+import importlib.abc
+import importlib.util
+import os
+import re
+import sys
+
+RAISE = os.environ.get("INJECT_RAISE", "")
+NAN_AT = {int(s) for s in os.environ.get("INJECT_NAN_AT", "").split(",") if s.strip()}
+ENOSPC_AT = {tuple(map(int, s.split(":"))) for s in os.environ.get("INJECT_ENOSPC_AT", "").split(",") if s.strip()}
+STEP = [0]  # the step train.py's loop is in, from its heartbeat
+
+
+def rank() -> int:
+    """This process's rank, read when a fault is due (plain `python train.py` sets RANK itself, after start-up)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def patch_after_import(name: str, patch):
+    """Call `patch(module)` once `name` has been imported and executed, before anyone uses it."""
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname != name:
+                return None
+            sys.meta_path.remove(self)  # once: find the real module below this finder
+            spec = importlib.util.find_spec(fullname)
+            if spec is not None and spec.loader is not None:
+                run = spec.loader.exec_module
+
+                def exec_module(module):
+                    run(module)
+                    patch(module)
+                spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, Finder())
+
+
+def track_steps(distributed):
+    beat = distributed.Heartbeat.beat
+
+    def traced(self, what):
+        if match := re.fullmatch(r"step (\d+)", what):
+            STEP[0] = int(match.group(1))
+        return beat(self, what)
+    distributed.Heartbeat.beat = traced
+
+
+def faulty_loss(functional):
+    cross_entropy, calls = functional.cross_entropy, [0]
+    raise_rank, raise_at = map(int, RAISE.split(":")) if RAISE else (None, None)
+
+    def loss(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == raise_at and rank() == raise_rank:
+            raise RuntimeError("injected: cross_entropy failed")
+        out = cross_entropy(*args, **kwargs)
+        return out * float("nan") if STEP[0] in NAN_AT else out
+    functional.cross_entropy = loss
+
+
+def full_disk(checkpoint):
+    import errno
+    import io
+
+    import torch
+
+    save = checkpoint.save
+
+    def faulty_save(engine, ckpt_dir, step, *args, **kwargs):
+        if (step, rank()) not in ENOSPC_AT:
+            return save(engine, ckpt_dir, step, *args, **kwargs)
+        original = engine.checkpoint_engine.save
+
+        def half_written(state_dict, path):
+            buffer = io.BytesIO()
+            torch.save(state_dict, buffer)
+            with open(path, "wb") as f:
+                f.write(buffer.getbuffer()[:buffer.tell() // 2])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+        engine.checkpoint_engine.save = half_written
+        try:
+            return save(engine, ckpt_dir, step, *args, **kwargs)
+        finally:
+            engine.checkpoint_engine.save = original
+    checkpoint.save = faulty_save
+
+
+if NAN_AT:
+    patch_after_import("engine.distributed", track_steps)
+if RAISE or NAN_AT:
+    patch_after_import("torch.nn.functional", faulty_loss)
+if ENOSPC_AT:
+    patch_after_import("engine.checkpoint", full_disk)
