@@ -35,7 +35,8 @@ from engine.distributed import (DistributedError, Heartbeat, dist_env, exit_dist
 from engine.memory import memory_profiler, memory_trace, peak_memory_bytes
 from engine.preemption import EXIT_PREEMPTED, Preemption
 from engine import compat, figures
-from engine.checkpoint import describe_load_error, find_resume, remove_interrupted, save, to_universal
+from engine.checkpoint import (check_same_model, describe_load_error, find_resume, remove_interrupted, save,
+                               to_universal)
 from engine.ema import EMA
 from engine.optim import frozen_names
 from engine.parallelize import build_engine, build_training_model, engine_config
@@ -64,8 +65,9 @@ def check_run(cfg: Config, world_size: int, rank: int):
     hidden = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size).hidden_size
     if os.path.isdir(cfg.model):  # a cut-off copy of its weights fails here, by name, not inside transformers
         check_weight_files(cfg.model)
+    shapes = {n: list(p.shape) for n, p in meta_model(cfg).named_parameters()}  # the model as defined, on meta
     if cfg.freeze:  # a pattern that names no parameter fails here, on the model's shapes alone
-        frozen_names([n for n, _ in meta_model(cfg).named_parameters()], cfg.freeze)
+        frozen_names(list(shapes), cfg.freeze)
     _, ds_config = engine_config(cfg, hidden, world_size)
     offload = ds_config["zero_optimization"].get("offload_param", {}).get("device", "none")
     if cfg.ema_decay and offload == "nvme":
@@ -84,7 +86,9 @@ def check_run(cfg: Config, world_size: int, rank: int):
     if not cfg.resume and os.path.exists(os.path.join(ckpt_dir, "latest")):
         raise ConfigError(f"output_dir '{cfg.output_dir}' already holds a run: continue it with --resume latest "
                           f"or choose another output_dir")
-    resume = find_resume(cfg, world_size)  # a missing file or a changed ZeRO stage fails here
+    resume = find_resume(cfg, world_size)  # a missing file, a changed ZeRO stage or another model fails here
+    if resume:
+        check_same_model(resume.state, resume.path, shapes)
     if resume and resume.note and rank == 0:
         print(resume.note, file=sys.stderr)
     if rank == 0:  # probe writability last, so a failure above leaves no directory behind
@@ -98,7 +102,7 @@ def check_run(cfg: Config, world_size: int, rank: int):
             if not existed and os.path.isdir(cfg.output_dir):
                 shutil.rmtree(cfg.output_dir, ignore_errors=True)
             raise ConfigError(f"output_dir '{cfg.output_dir}' is not writable: {e.strerror}") from None
-    return train_sources, val_sources, names, ds_config, resume
+    return train_sources, val_sources, names, ds_config, resume, shapes
 
 
 @dataclass
@@ -204,7 +208,7 @@ def main(argv=None):
     rank, world_size, local_rank, local_world = dist_env()
     try:
         cfg = parse(argv)
-        train_sources, val_sources, names, ds_config, resume = check_run(cfg, world_size, rank)
+        train_sources, val_sources, names, ds_config, resume, shapes = check_run(cfg, world_size, rank)
     except (ConfigError, DataError, ValueError) as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
@@ -468,7 +472,7 @@ def main(argv=None):
             positions = [None] * world_size
             dist.all_gather_object(positions, train_batches.state_dict())
             state = {"step": step, "world_size": world_size, "zero_stage": cfg.zero_stage,
-                     "val_top1": record.get("val_top1"), "data": merge_states(positions)}
+                     "val_top1": record.get("val_top1"), "data": merge_states(positions), "param_shapes": shapes}
             saved = save(engine, ckpt_dir, step, state, keep_last=cfg.keep_last, keep_best=cfg.keep_best,
                          min_free_gb=cfg.min_free_gb, estimate_bytes=checkpoint_estimate,
                          log=bar.write if rank == 0 else lambda *a: None, also=ema.save if ema else None)

@@ -1,7 +1,7 @@
 """Fault injection: real 2-rank training jobs, each hit by one fault at a point a seed chooses, continued with
 `--resume latest` until they finish, and compared with an uninterrupted run of the same seed.
 
-    python benchmarks/fault_injection.py --faults 36 --seed 0      # report in benchmarks/results/faults/
+    python benchmarks/fault_injection.py --faults 48 --seed 0      # report in benchmarks/results/faults/
     python benchmarks/fault_injection.py --kinds kill-save,stall --faults 4 --out /tmp/faults
 
 The faults (`--kinds`, default all), each at a random step, save, evaluation or launcher as the seed draws:
@@ -565,19 +565,23 @@ def write_report(episodes: list, a, start_time: float):
              f"{(time.time() - start_time) / 60:.0f} min.", "",
              f"Each fault hits its own 2-rank job: the debug ViT on the digits, {MAX_STEPS} steps, a checkpoint every "
              f"{SAVE_EVERY} steps (keep_last 2), an evaluation every {EVAL_EVERY}, one data worker per rank, fp32; "
-             f"the ZeRO stage and, for kill-rank, sigterm and stall, the launcher drawn by the seed. The uninterrupted "
+             f"the ZeRO stage and, for {', '.join(ANY_LAUNCHER)}, the launcher drawn by the seed. The uninterrupted "
              f"run of each stage is the reference.", "", table(episodes), "",
              "Steps lost: steps trained again after a relaunch (those after the newest complete checkpoint). Data lost: "
              "episodes where a metrics record, the newest complete checkpoint or the export went missing. For nan and "
              "shard faults the run changes from the fault on (a skipped step, skipped samples): the losses before it "
-             "are compared, and what was skipped is counted in metrics.jsonl.", "",
-             "| # | fault | ZeRO | launcher | aimed at | exits | resumed from | steps lost | counted | s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "are compared, and what was skipped is counted in metrics.jsonl. bad-label and pipe-fail change the data "
+             "from the first step: what was skipped is counted, nothing is compared. raise must end the job with exit "
+             "1, the rank's one line and its traceback in errors/ (its note: how long the faulty launch took, start-up "
+             "included), and is then resumed like a kill.", "",
+             "| # | fault | ZeRO | launcher | aimed at | exits | resumed from | steps lost | counted | note | s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, ep in enumerate(episodes):
+        note = ep.note if ep.kind == "raise" or ep.note.startswith("not run") else ""
         lines.append(f"| {i + 1} | {ep.kind} | {ep.stage} | {ep.launcher} | {ep.aim} | "
-                     f"{', '.join(map(str, ep.exit_codes)) or ep.note} | "
+                     f"{', '.join(map(str, ep.exit_codes)) or '-'} | "
                      f"{', '.join(map(str, ep.resumed_from)) or '-'} | {ep.steps_lost} | {ep.counted or '-'} | "
-                     f"{ep.seconds:.0f} |")
+                     f"{note or '-'} | {ep.seconds:.0f} |")
     with open(os.path.join(a.out, "report.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print(table(episodes))

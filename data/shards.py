@@ -76,6 +76,8 @@ def _check_urls(urls: list, spec: str, what: str):
         try:
             with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=30):
                 return None
+        except urllib.error.HTTPError as e:
+            return f"{url} (HTTP {e.code} {e.reason})"
         except (urllib.error.URLError, OSError) as e:
             return f"{url} ({getattr(e, 'reason', e)})"
 

@@ -111,8 +111,29 @@ def describe_load_error(e: BaseException, path: str) -> str | None:
         count, first = len(names), f"{names[0]} is {'missing from' if keys.group(1) == 'Missing' else 'unexpected in'} it"
     else:
         return None
-    return (f"resume: {path} is a checkpoint of another model ({count} parameters differ; first: {first}): resume "
+    return (f"resume: {path} is a checkpoint of another model ({differ_count(count)}; first: {first}): resume "
             f"a checkpoint of this model, or start this one in another output_dir")
+
+
+def differ_count(n: int) -> str:
+    return f"{n} parameter differs" if n == 1 else f"{n} parameters differ"
+
+
+def check_same_model(state: dict | None, path: str, shapes: dict):
+    """ConfigError when the checkpoint at `path` was written by another model: its train_state.json's parameter
+    shapes (`param_shapes`, {name: [dims]}) against this run's `shapes`, first difference named. Checkpoints
+    written before the shapes were recorded are checked by DeepSpeed's load instead (`describe_load_error`)."""
+    saved = (state or {}).get("param_shapes")
+    if saved is None:
+        return
+    differ = [n for n in dict.fromkeys([*saved, *shapes]) if saved.get(n) != shapes.get(n)]
+    if not differ:
+        return
+    name = differ[0]
+    first = (f"{name} is {saved[name]} there and {shapes[name]} here" if name in saved and name in shapes else
+             f"{name} is {'only there' if name in saved else 'only here'}")
+    raise ConfigError(f"resume: {path} is a checkpoint of another model ({differ_count(len(differ))}; first: "
+                      f"{first}): resume a checkpoint of this model, or start this one in another output_dir")
 
 
 def complete_checkpoints(ckpt_dir: str) -> list[tuple[int, str]]:

@@ -313,6 +313,15 @@ def test_http_and_pipe_sources_stream_the_same_samples(tmp_path, http_server):
         assert remote[rank][0] == local[rank][0] == through_pipe[rank][0]
 
 
+def test_a_url_the_server_refuses_is_one_line_with_its_status(http_server):
+    import re
+
+    spec = f"{http_server}/gone-{{000000..000001}}.tar"
+    with pytest.raises(DataError, match=re.escape(f"train_shards '{spec}': cannot open 2 of 2 URLs, e.g. "
+                                                  f"{http_server}/gone-000000.tar (HTTP 404 File not found)")):
+        parse_spec(spec, "train_shards")
+
+
 # ---------------------------------------------------------------- evaluation and transforms
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_eval_covers_every_sample_once(digits, world_size):

@@ -137,14 +137,35 @@ def checkpointed(debug_args, tmp_path):
 
 def test_resuming_another_models_checkpoint_is_one_line(checkpointed, debug_args, tmp_path):
     out = tmp_path / "other"
+    # 2 ranks, from a 1-rank checkpoint: refused before the conversion to the universal format (or any load)
     proc = launch(debug_args + ["--model", "vit-narrow", "--max_steps", 6, "--resume", checkpointed / "checkpoints",
-                                "--output_dir", out], launcher="python", check=False, timeout=120)
+                                "--output_dir", out], check=False, timeout=120)
     assert proc.returncode == 2
+    assert not (checkpointed / "checkpoints" / "step0000004_universal").exists()
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and re.fullmatch(
         rf"error: resume: {checkpointed}/checkpoints/step0000004 is a checkpoint of another model \(\d+ parameters "
         r"differ; first: vit\.embeddings\.cls_token is \[1, 1, 32\] there and \[1, 1, 64\] here\): resume a "
         r"checkpoint of this model, or start this one in another output_dir", errors[0]), errors
+
+
+def test_a_strict_load_error_of_an_older_checkpoint_is_one_line():
+    """Checkpoints without `param_shapes` in train_state.json meet torch's strict load: its error, as DeepSpeed
+    raises it, becomes the same one line."""
+    import torch
+
+    from engine.checkpoint import describe_load_error
+
+    small, large = torch.nn.Sequential(torch.nn.Linear(4, 2)), torch.nn.Sequential(torch.nn.Linear(8, 2))
+    with pytest.raises(RuntimeError) as e:
+        small.load_state_dict(large.state_dict())
+    assert describe_load_error(e.value, "ckpt") == (
+        "resume: ckpt is a checkpoint of another model (1 parameter differs; first: 0.weight is [2, 8] there and "
+        "[2, 4] here): resume a checkpoint of this model, or start this one in another output_dir")
+    with pytest.raises(RuntimeError) as e:
+        small.load_state_dict({"0.weight": small[0].weight})
+    assert "first: 0.bias is missing from it" in describe_load_error(e.value, "ckpt")
+    assert describe_load_error(RuntimeError("CUDA out of memory"), "ckpt") is None
 
 
 def test_latest_naming_a_missing_checkpoint_is_a_warning(checkpointed, debug_args):
