@@ -11,6 +11,7 @@ The run directory receives config.yaml, ds_config.json, ac_plan.json, hf_config/
 (tb/), DeepSpeed checkpoints (checkpoints/) and, at the end, hf_model/ for `transformers.pipeline`.
 """
 import contextlib
+import functools
 import json
 import math
 import os
@@ -313,8 +314,8 @@ def main(argv=None):
     train_batches = TrainLoader(train_stream, cfg.num_workers)
     per_epoch = train_stream.batches_per_rank_epoch()  # None in resampled mode
     normalize = Normalize(processor)
-    val_data = lambda: eval_batches(val_sources, EvalTransform(processor), cfg.micro_batch_size, rank, world_size,  # noqa: E731
-                                    cfg.num_labels)
+    val_data = functools.partial(eval_batches, val_sources, EvalTransform(processor), cfg.micro_batch_size, rank,
+                                 world_size, cfg.num_labels)
 
     # ------------------------------------------------------------------ run directory and logging
     images_per_step = cfg.micro_batch_size * cfg.grad_accum_steps * world_size

@@ -37,6 +37,7 @@ import json
 import os
 import platform
 import random
+import re
 import shutil
 import signal
 import socket
@@ -364,8 +365,8 @@ def run_episode(ep: Episode, rng: random.Random, base_args: list, shards: dict, 
         ep.hit = ep.hit and "preempted (" in out
     elif ep.kind == "stall":
         ep.hit = ep.hit and f"error: rank {1 - victim}: " in out
-    elif ep.kind == "kill-rank":  # the launcher reports the killed rank's exit
-        ep.hit = ep.hit and "-9" in out
+    elif ep.kind == "kill-rank":  # the launcher reports the killed rank's exit by SIGKILL
+        ep.hit = ep.hit and re.search(r"return code = -9\b|exitcode\s*: -9 \(pid", out) is not None
     elif ep.kind in ("enospc", "disk-full"):
         ep.hit = "not written" in out
     elif ep.kind == "raise":  # exit 1 with the rank's one line and its traceback, within seconds

@@ -8,6 +8,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from engine.compat import quiet_deepspeed_deprecations, release_deepspeed_shm
 
 DEFAULT_TIMEOUT_S = 1800  # torch's own default for gloo and NCCL
+STORE_TIMEOUT_S = 5  # the watchdog's and a failing rank's wait for the store
 
 
 def free_port() -> int:
@@ -150,7 +152,19 @@ class Heartbeat:
         self.timeout_s, self.exit_code, self.failing = timeout_s, exit_code, False
         # one key per launch attempt: torchrun's store outlives a restart of the workers
         self.failed_key = f"failed/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        self.watch_store = None  # the watchdog's own connection to the store (_watcher_store)
         threading.Thread(target=self._watch, daemon=True, name="heartbeat").start()
+
+    def _watcher_store(self):
+        """The watchdog's own client of the store, with a short timeout: a store whose host is stopped (a rank
+        under SIGSTOP hosts it under `deepspeed`) must not hold the watchdog past its own deadline."""
+        if self.watch_store is None and isinstance(self.store, dist.TCPStore):
+            try:
+                self.watch_store = dist.TCPStore(self.store.host, self.store.port, is_master=False,
+                                                 timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+            except Exception:  # the host is not answering: try again at the next poll
+                return None
+        return self.watch_store
 
     def beat(self, what: str):
         self.what, self.since = what, time.monotonic()
@@ -159,7 +173,7 @@ class Heartbeat:
     def _watch(self):
         while True:
             time.sleep(min(self.POLL_S, self.timeout_s / 4))
-            self.stop_if_another_failed()
+            self.stop_if_another_failed(self._watcher_store())
             stuck = time.monotonic() - self.since
             if stuck > self.timeout_s:
                 self.fail(f"no progress for {stuck:.0f} s at '{self.what}' (dist_timeout {self.timeout_s:g} s)")
@@ -174,34 +188,37 @@ class Heartbeat:
         except Exception:  # the store's host is gone: the launcher ends the others
             pass
 
-    def stop_if_another_failed(self):
+    def stop_if_another_failed(self, store=None):
         """End this process (exit 1) if another rank announced its failure: its line is the job's reason."""
+        store = store or self.store
         try:
-            failed = not self.failing and self.store.check([self.failed_key])
-            reason = failed and self.store.get(self.failed_key).decode()
-        except Exception:  # the store's host is ending: the caller's own checks still hold
+            failed = not self.failing and store.check([self.failed_key])
+            reason = failed and store.get(self.failed_key).decode()
+        except Exception:  # the store's host is ending or stopped: the caller's own checks still hold
             return
         if failed:
             print(f"error: rank {self.rank}: stopping at {self.what}, because {reason}", file=sys.stderr, flush=True)
             os._exit(EXIT_FAILED)
 
     def fail(self, what: str):
+        self.store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))  # ending: no wait on a stopped host
         self.stop_if_another_failed()  # a collective that failed because another rank had: that rank's reason
         print(f"error: rank {self.rank}: {what}. Where the ranks last reported: {self.report()}. Another rank died or "
               f"stalled (out of memory, a hung data read, a lost node): one behind the others, or the first whose "
               f"own log stops", file=sys.stderr, flush=True)
         os._exit(self.exit_code)
 
-    def report(self, timeout_s: float = 5.0) -> str:
+    def report(self) -> str:
         try:
-            self.store.set_timeout(datetime.timedelta(seconds=timeout_s))
+            self.store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
             seen = []
             for r in range(self.world_size):
                 key = f"heartbeat/{r}"
                 seen.append(f"rank {r}: {self.store.get(key).decode() if self.store.check([key]) else 'not started'}")
             return "; ".join(seen)
         except Exception:  # the store's host is the one that stopped
-            return "the master's store did not answer within 5 s: its host (rank 0's node) is the one that stopped"
+            return (f"the master's store did not answer within {STORE_TIMEOUT_S} s: its host (rank 0's node) is the one "
+                    f"that stopped")
 
 
 EXIT_FAILED = 1  # an exception on some rank ended the job
@@ -218,12 +235,9 @@ def fail_fast(heartbeat: Heartbeat, run_dir: str, before_exit: list):
     An error of a collective is the other ranks' failure seen from here: it keeps its own line and exit code
     (where every rank was; the heartbeat's code)."""
     def hook(kind, value, tb):
-        if is_comm_error(value):
-            first = str(value).strip().splitlines()[0] if str(value).strip() else kind.__name__
-            heartbeat.fail(f"a collective failed ({first})")
-        import traceback
-
         first = str(value).strip().splitlines()[0] if str(value).strip() else ""
+        if is_comm_error(value):
+            heartbeat.fail(f"a collective failed ({first or kind.__name__})")
         line = f"rank {heartbeat.rank} failed at {heartbeat.what}: {kind.__name__}" + (f": {first}" if first else "")
         path = os.path.join(run_dir, "errors", f"rank{heartbeat.rank}.txt")
         try:

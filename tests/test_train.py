@@ -40,10 +40,11 @@ def test_golden_losses(stage_runs):
     test_loss_decreases checks the rest. Regenerate with UPDATE_GOLDEN=1 after a deliberate change.
     """
     losses = [r["loss"] for r in read_metrics(stage_runs["vit-debug", 2])]
-    if os.environ.get("UPDATE_GOLDEN"):
+    if os.environ.get("UPDATE_GOLDEN"):  # rewrite, never compare against what was just written
         os.makedirs(os.path.dirname(GOLDEN), exist_ok=True)
         with open(GOLDEN, "w") as f:
             json.dump({"losses": losses}, f)
+        pytest.skip(f"{GOLDEN} rewritten: commit it on its own, with the reason")
     with open(GOLDEN) as f:
         golden = json.load(f)["losses"]
     assert len(losses) == len(golden)
