@@ -56,7 +56,7 @@ PYTHONPATH=$site OMP_NUM_THREADS=1 python3 -m torch.distributed.run --nproc_per_
   --config configs/digits-vit.yaml --zero_stage 3 --max_steps 40 --eval_every 40 --save_every 40 \
   --output_dir "$work/zero3" --progress false > "$work/zero3.log" 2>&1 || { tail -30 "$work/zero3.log"; exit 1; }
 grep "^done:" "$work/zero3.log"
-train_line=$(grep "^done:" "$work/zero3.log")
+train_line=$(grep "^done:" "$work/zero3.log" | sed 's/ | model saved to .*//; s/ | /, /g')  # no | in the table
 train_s=$(( $(date +%s) - t ))
 
 step "benchmarks/gpu_check.sh, smoke mode (it installs .whl/ itself, as on the GPU machine)"
