@@ -49,8 +49,8 @@ class Part:
         self.expected_s, self.limit_s = expected_s[SMOKE], limit_s[SMOKE]
 
 
-# (GPU, smoke) seconds: what a part is expected to take, and its limit. On the GPU a suite's job is ~30-40 s,
-# mostly start-up (imports, CUDA, building ViT-L): parts 1-4 fill a first call's 480 s, 5-6 a second's.
+# (GPU, smoke) seconds: what a part is expected to take, and its limit (docs/benchmarks.md: on the GPU, parts 1-4 fill
+# a first call's budget, 5-6 a second's)
 PARTS = [Part(1, "machine", (25, 15), (90, 60), "versions, device, GEMM rate"),
          Part(2, "vit-l", (330, 90), (420, 200), "ViT-L/16, micro-batch 32, 3 engines x 3 policies"),
          Part(3, "digits", (60, 60), (150, 150), "train.py's main job, bf16, with evaluation"),

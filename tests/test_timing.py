@@ -54,7 +54,7 @@ def test_train_py_times_each_step_on_the_clock(debug_args, tmp_path):
     steps = 4
     _, calls = _counted_run([sys.executable, "train.py", *debug_args, "--max_steps", str(steps), "--eval_every", "0",
                              "--save_every", "0", "--output_dir", str(out)], tmp_path)
-    assert len(calls) >= 2 * steps  # each step starts and ends on the clock
+    assert len(calls) >= steps  # each step ends on the clock (its start follows the previous one's end)
     with open(out / "metrics.jsonl") as f:
         assert all(r["images_per_sec"] > 0 for r in map(json.loads, f))
 
