@@ -50,8 +50,6 @@ def cluster_args(argv):
     parser.add_argument("--calibration", metavar="JSON",
                         help="plan with what --calibrate measured, in place of --mfu, --mbu, --device_mem_gbs and "
                              "--intra_gbs (a --global_batch search then tries only the calibrated micro-batch)")
-    parser.add_argument("--validate", metavar="RESULTS_CSV",
-                        help="compare predictions with a benchmark suite's measured rows (benchmarks/results/<suite>/)")
     return parser.parse_known_args(argv)
 
 
@@ -176,65 +174,6 @@ def write_plan(best: dict, cfg, ds_config: dict, out: str, a):
                   f"--ds_config {out}/ds_config.json\n")
 
 
-def validation_table(rows: list) -> str:
-    """plan.py's predictions against a benchmark suite's measurements, as a markdown table and a summary line."""
-    if not rows:
-        return "no DeepSpeed rows to compare"
-    lines = ["| shape | configuration | peak MiB predicted | measured | error | step s calibrated (compute, of it "
-             "memory-bound; communication) | assumed | measured | error calibrated | error assumed |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['shape']} | {r['config']} | {r['peak_predicted'] / 2**20:.1f} | "
-                     f"{r['peak_measured'] / 2**20:.1f} | {r['peak_error']:+.1%} | {r['step_predicted']:.3f} "
-                     f"({r['compute_s']:.3f}, {r['memory_bound_s']:.3f}; {r['comm_s']:.3f}) | {r['step_assumed']:.3f} | "
-                     f"{r['step_measured']:.3f} | {r['step_error']:+.1%} | {r['step_error_assumed']:+.1%} |")
-    worst_peak = max(rows, key=lambda r: abs(r["peak_error"]))
-    worst_step = max(rows, key=lambda r: abs(r["step_error"]))
-    worst_assumed = max(rows, key=lambda r: abs(r["step_error_assumed"]))
-    return ("\n".join(lines) + f"\n\n{len(rows)} rows; largest peak error {worst_peak['peak_error']:+.1%} "
-            f"({worst_peak['config']}, {worst_peak['shape']}); largest step-time error calibrated "
-            f"{worst_step['step_error']:+.1%} ({worst_step['config']}, {worst_step['shape']}), assumed "
-            f"{worst_assumed['step_error_assumed']:+.1%} ({worst_assumed['config']}, {worst_assumed['shape']})")
-
-
-def calibration_table(rows: list) -> str:
-    """Each shape's calibration, as the validation used it."""
-    lines = ["| shape | operators GFLOP/s | operators GB/s | operators not replayed | streaming GB/s | "
-             "all-gather GB/s per rank | source |", "|---|---|---|---|---|---|---|"]
-    for shape in dict.fromkeys(r["shape"] for r in rows):
-        r = next(r for r in rows if r["shape"] == shape)
-        c, samples = r["calibration"], r.get("calibration_samples") or []
-
-        def rate(key):  # the rate used, and the range of the samples it is the median of
-            values = [x[key] / 1e9 for x in samples]
-            return f"{c[key] / 1e9:.1f}" + (f" ({min(values):.1f}-{max(values):.1f})" if len(values) > 1 else "")
-
-        lines.append(f"| {shape} | {rate('flops_per_s')} | {rate('bytes_per_s')} | "
-                     f"{r['calibration_failed_ops']} | {c['stream_gbs']:.1f} | "
-                     f"{c['comm_gbs']:.2f} | {r['calibration_source']} |")
-    return "\n".join(lines)
-
-
-def write_validation(results_dir: str, suite_name: str):
-    """planner.md (and planner.json) beside a benchmark suite's results.csv: the predictions for its rows and their
-    errors."""
-    from engine.planner import validate
-
-    rows = validate(os.path.join(results_dir, "results.csv"), save=True)
-    with open(os.path.join(results_dir, "planner.json"), "w") as f:  # the same rows, for programs to read
-        json.dump(rows, f, indent=1)
-    with open(os.path.join(results_dir, "planner.md"), "w") as f:
-        f.write(f"# {suite_name}: plan.py's predictions against these measurements\n\n"
-                f"`python plan.py --validate {os.path.relpath(results_dir)}/results.csv`. Two step times per row:\n\n"
-                f"- **calibrated**: what `plan.py --calibrate` measured for the shape with every rank running (the "
-                f"model's own operators replayed forward and backward at the micro-batch, the optimizer's streaming "
-                f"bandwidth, the all-gather bandwidth between the ranks), in the planner's step model; a suite "
-                f"calibrates at the start of each repeat and uses the median (the range in brackets);\n"
-                f"- **assumed**: every FLOP at the 2048^3 GEMM rate measured in the run, memory-bound operators at "
-                f"a streaming add's bandwidth, the collectives at 10 GB/s.\n\n"
-                f"{calibration_table(rows) if rows else ''}\n\n{validation_table(rows)}\n")
-
-
 def run_calibration(cfg, precision: str, out: str) -> int:
     """--calibrate: every rank of the launch (one without a launcher) measures at once; rank 0 writes the
     slowest rank's figures. Needs the device it calibrates: a GPU for bf16 plans, the CPU for fp32 ones."""
@@ -292,14 +231,6 @@ def load_calibration(path: str, cfg, precision: str) -> dict:
     return calibration
 
 
-def print_validation(a) -> int:
-    from engine.planner import validate
-
-    rows = validate(a.validate, mfu=a.mfu or 1.0, intra_gbs=a.intra_gbs or 10.0)
-    print(json.dumps(rows, indent=1) if a.json else validation_table(rows))
-    return 0
-
-
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     import torch
@@ -318,8 +249,6 @@ def main(argv=None):
                       f"{d.intra_gbs:g} GB/s in a node, {d.inter_gbs:g} GB/s between nodes, {d.host_gbs:g} GB/s to "
                       f"the host, {d.host_memory_gib:g} GiB of host memory per node")
             return 0
-        if a.validate:
-            return print_validation(a)
         cfg = parse(rest)
         precision = cfg.precision if cfg.precision != "auto" else ("bf16" if a.device != "cpu" else "fp32")
         if a.calibrate:

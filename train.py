@@ -12,7 +12,6 @@ The run directory receives config.yaml, ds_config.json, ac_plan.json, hf_config/
 """
 import contextlib
 import functools
-import json
 import math
 import os
 import shutil
@@ -24,24 +23,26 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import yaml
 
-from config import Config, ConfigError, parse, to_dict
+from config import Config, ConfigError, parse
 from data.loader import (ShardStream, TrainLoader, check_labels, check_streams, eval_batches, merge_states,
                          resume_state)
 from data.shards import DataError, parse_spec
 from data.transforms import EvalTransform, Normalize, TrainTransform, mix_batch
+from engine import compat
+from engine.checkpoint import (Resume, check_same_model, describe_load_error, find_resume, remove_interrupted, save,
+                               to_universal)
 from engine.distributed import (DistributedError, Heartbeat, dist_env, exit_distributed, fail_fast,
                                 init_distributed)
-from engine.memory import memory_profiler, memory_trace, peak_memory_bytes
-from engine.preemption import EXIT_PREEMPTED, Preemption
-from engine import compat, figures
-from engine.checkpoint import (check_same_model, describe_load_error, find_resume, remove_interrupted, save,
-                               to_universal)
 from engine.ema import EMA
+from engine.evaluation import Evaluation, evaluate
+from engine.hf_export import export_hf_model
+from engine.memory import memory_profiler, memory_trace, peak_memory_bytes
 from engine.optim import frozen_names
 from engine.parallelize import build_engine, build_training_model, engine_config
 from engine.planner import meta_model
+from engine.preemption import EXIT_PREEMPTED, Preemption
+from engine.runlog import RunLog
 from engine.timing import clock
 from models import model_config
 from models.checkpointing import check_policy
@@ -53,7 +54,29 @@ EXIT_NONFINITE = 5  # max_bad_steps non-finite steps in a row, or a non-finite m
 EXIT_COLLECTIVE = 6  # a collective failed, or no progress for dist_timeout: another rank died or stalled
 
 
-def check_run(cfg: Config, world_size: int, rank: int):
+def main(argv=None):
+    run = setup(argv)  # the input checked, then the process group, the watchdog, fail-fast and the signals
+    model = build(run)  # weights from the seed alone, then activation checkpointing -> ZeRO -> compile
+    start = resume(run, model)  # weights, optimizer, data position and EMA of the checkpoint, if there is one
+    data = build_data(run, model, start)
+    log = open_log(run, model, start, data)
+    trained = train(run, model, start, data, log)
+    finish(run, model, start, trained, log)  # the Hugging Face export and the summary
+
+
+# ---------------------------------------------------------------------------------------------------- setup
+@dataclass
+class Checked:
+    """What check_run found valid: the run's inputs."""
+    train_sources: list
+    val_sources: list
+    class_names: list | None  # from the train shards' _info.json
+    ds_config: dict  # DeepSpeed's config as the template and the run config give it (before the model is profiled)
+    resume: Resume | None  # the checkpoint to continue from
+    param_shapes: dict  # {name: shape} of the model as defined: train_state.json records them
+
+
+def check_run(cfg: Config, world_size: int, rank: int) -> Checked:
     """Every check on the input that can fail, before anything is written or any process group forms."""
     train_sources = parse_spec(cfg.train_shards, "train_shards")
     val_sources = parse_spec(cfg.val_shards, "val_shards")
@@ -103,113 +126,31 @@ def check_run(cfg: Config, world_size: int, rank: int):
             if not existed and os.path.isdir(cfg.output_dir):
                 shutil.rmtree(cfg.output_dir, ignore_errors=True)
             raise ConfigError(f"output_dir '{cfg.output_dir}' is not writable: {e.strerror}") from None
-    return train_sources, val_sources, names, ds_config, resume, shapes
+    return Checked(train_sources, val_sources, names, ds_config, resume, shapes)
+
 
 
 @dataclass
-class Evaluation:
-    top1: float
-    top5: float
-    confusion: torch.Tensor  # (num_labels, num_labels) counts over every rank: rows true, columns predicted
-    shown: tuple  # (images, labels, predictions) of this rank's first images, for the prediction grid
+class Run:
+    """The run as set up: its config and input, where this process sits, and what every phase reports to."""
+    cfg: Config
+    checked: Checked
+    rank: int
+    world_size: int
+    local_world: int  # ranks on this node
+    device: torch.device
+    heartbeat: Heartbeat  # where this rank is; a dead or stalled rank stops the others within dist_timeout
+    preemption: Preemption  # SIGTERM/SIGUSR1: finish the step, checkpoint, exit
+    flush_logs: list  # what a failing rank flushes before it exits
+    ckpt_dir: str
 
 
-@torch.no_grad()
-def evaluate(engine, loader, normalize, dtype, device, num_labels: int) -> Evaluation:
-    """Top-1, top-5 and the confusion matrix over the whole validation set, reduced over ranks. The loader's
-    uint8 images are normalised on the device (`normalize`)."""
-    engine.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # correct@1, correct@5, count
-    confusion = torch.zeros(num_labels * num_labels, dtype=torch.float64, device=device)
-    shown = None
-    batches, dummy = iter(loader), None
-    while True:
-        batch = next(batches, None)
-        # ZeRO-3 gathers parameters inside each forward, so every rank must run as many forwards as
-        # the others: a rank that ran out of data joins with a dummy batch until all are done.
-        more = torch.tensor([batch is not None], dtype=torch.int32, device=device)
-        dist.all_reduce(more, op=dist.ReduceOp.MAX)
-        if not more.item():
-            break
-        if batch is None:
-            engine(dummy)
-            continue
-        images, labels = normalize(batch[0].to(device, non_blocking=True)).to(dtype), batch[1].to(device)
-        dummy = images[:1]
-        logits = engine(images).logits.float()  # (B, num_labels)
-        top = logits.topk(min(5, logits.shape[-1]), dim=-1).indices
-        hits = top == labels[:, None]
-        # the count on the GPU as well: torch.stack does not move a CPU scalar the way arithmetic does
-        count = torch.tensor(len(labels), device=device)
-        totals += torch.stack([hits[:, 0].sum(), hits.any(-1).sum(), count]).to(totals)
-        confusion += torch.bincount(labels * num_labels + top[:, 0], minlength=num_labels * num_labels).to(confusion)
-        if shown is None:
-            shown = (batch[0][:16], batch[1][:16], top[:16, 0].cpu())
-    dist.all_reduce(totals)
-    dist.all_reduce(confusion)
-    engine.train()
-    return Evaluation((totals[0] / totals[2]).item(), (totals[1] / totals[2]).item(),
-                      confusion.view(num_labels, num_labels).cpu(), shown)
-
-
-def export_hf_model(engine, processor, out_dir: str, rank: int) -> bool:
-    """A Hugging Face directory `pipeline("image-classification", model=out_dir)` loads; False (and nothing
-    written) if a weight is not finite."""
-    state_dict = full_state_dict(engine, rank)
-    bad = [k for k, v in state_dict.items() if v.is_floating_point() and not torch.isfinite(v).all()]
-    if bad:
-        print(f"error: not exported: {len(bad)} weight tensors hold inf or NaN ({', '.join(bad[:3])}"
-              f"{', ...' if len(bad) > 3 else ''})", file=sys.stderr, flush=True)
-    elif rank == 0:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # one shard: a bar says nothing
-        partial = out_dir + ".partial"  # renamed when complete: a kill mid-export leaves the previous export whole
-        shutil.rmtree(partial, ignore_errors=True)
-        engine.module.save_pretrained(partial, state_dict=state_dict)
-        processor.save_pretrained(partial)
-        if os.path.isdir(out_dir):
-            shutil.rmtree(out_dir)
-        os.rename(partial, out_dir)
-    exported = [not bad]
-    dist.broadcast_object_list(exported, src=0)  # only rank 0 holds the weights
-    return exported[0]
-
-
-def full_state_dict(engine, rank: int) -> dict:
-    """The whole model's weights on rank 0 ({} elsewhere). Under ZeRO-3 each module's parameters are gathered
-    in turn (`deepspeed.zero.GatheredParameters`) and copied out, so no rank gathers the whole model at once."""
-    import deepspeed
-
-    module = engine.module
-    if not engine.zero_optimization_partition_weights():
-        return module.state_dict() if rank == 0 else {}
-    params = {name for name, _ in module.named_parameters()}
-    state = {k: v for k, v in module.state_dict().items() if k not in params} if rank == 0 else {}  # buffers
-    for prefix, sub in module.named_modules():
-        own = dict(sub.named_parameters(recurse=False))
-        if not own:
-            continue
-        with deepspeed.zero.GatheredParameters(list(own.values())):
-            if rank == 0:
-                state.update({f"{prefix}.{n}" if prefix else n: p.detach().cpu().clone() for n, p in own.items()})
-    return state
-
-
-def _record_step(line: str) -> float:
-    """The step of a metrics.jsonl line; infinity for a blank or cut-off one (a kill mid-write), which is dropped."""
-    try:
-        return json.loads(line)["step"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return float("inf")
-
-
-def main(argv=None):
-    # ------------------------------------------------------------------ setup
+def setup(argv) -> Run:
+    """Parse and check the input (bad input: one line, exit 2, nothing written), then join the process group."""
     rank, world_size, local_rank, local_world = dist_env()
     try:
         cfg = parse(argv)
-        train_sources, val_sources, names, ds_config, resume, shapes = check_run(cfg, world_size, rank)
+        checked = check_run(cfg, world_size, rank)
     except (ConfigError, DataError, ValueError) as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
@@ -225,16 +166,16 @@ def main(argv=None):
         if rank == 0 and not os.listdir(cfg.output_dir):  # created by check_run, nothing written yet
             os.rmdir(cfg.output_dir)
         sys.exit(2)
-    ckpt_dir = os.path.join(cfg.output_dir, "checkpoints")
-    # a dead or stalled rank: the others stop within dist_timeout, with one line naming where each rank was
     heartbeat = Heartbeat(rank, world_size, cfg.dist_timeout, EXIT_COLLECTIVE)
     heartbeat.beat("starting")
     # an exception on any rank ends the job in seconds, its traceback in errors/rank<N>.txt, the logs flushed
     flush_logs = []
     fail_fast(heartbeat, cfg.output_dir, flush_logs)
-    preemption = Preemption(cfg.preempt_grace)  # SIGTERM/SIGUSR1: finish the step, checkpoint, exit
+    run = Run(cfg, checked, rank, world_size, local_world, device, heartbeat, Preemption(cfg.preempt_grace),
+              flush_logs, os.path.join(cfg.output_dir, "checkpoints"))
     if rank == 0:
-        remove_interrupted(ckpt_dir)
+        remove_interrupted(run.ckpt_dir)
+    resume = checked.resume
     if resume and resume.universal:  # written by another number of ranks: resharded through the universal format
         heartbeat.beat("converting the checkpoint to the universal format")
         if rank == 0:
@@ -244,17 +185,33 @@ def main(argv=None):
                 print(f"error: {e}", file=sys.stderr, flush=True)
                 os._exit(2)  # the other ranks wait in the barrier below; the launcher ends them
         dist.barrier()
+    return run
 
-    # ------------------------------------------------------------------ model
-    # the initial weights come from the seed alone; under ZeRO-3 every parameter is partitioned as it is created,
-    # so no rank holds the whole model
-    heartbeat.beat("building the model")
-    model, processor = build_training_model(cfg, ds_config, names, log=print if rank == 0 else None)
+
+# ---------------------------------------------------------------------------------------------------- model
+@dataclass
+class Model:
+    engine: object  # deepspeed.DeepSpeedEngine
+    processor: object  # the Hugging Face image processor: normalisation, and saved with the export
+    ac_plan: dict
+    ds_config: dict
+    precision: str
+    dtype: torch.dtype
+    n_params: int
+
+
+def build(run: Run) -> Model:
+    """The model from the seed alone (under ZeRO-3 every parameter is partitioned as it is created, so no rank
+    holds the whole model), wrapped: activation checkpointing, then ZeRO, then torch.compile."""
+    cfg, rank, resume = run.cfg, run.rank, run.checked.resume
+    run.heartbeat.beat("building the model")
+    model, processor = build_training_model(cfg, run.checked.ds_config, run.checked.class_names,
+                                            log=print if rank == 0 else None)
     torch.manual_seed(cfg.seed)  # dropout and stochastic depth draw from here, however the model was built
     n_params = sum(compat.param_numel(p) for p in model.parameters())
-    heartbeat.beat("wrapping the model")
-    try:  # activation checkpointing, then ZeRO, then torch.compile
-        built = build_engine(model, cfg, world_size, device.type, log=print if rank == 0 else lambda *a: None,
+    run.heartbeat.beat("wrapping the model")
+    try:
+        built = build_engine(model, cfg, run.world_size, run.device.type, log=print if rank == 0 else lambda *a: None,
                              load_universal=bool(resume and resume.universal))
     except ConfigError as e:  # an `auto` budget that cannot be met shows only once the model is profiled
         if rank == 0:
@@ -262,21 +219,28 @@ def main(argv=None):
             if not os.listdir(cfg.output_dir):  # created by check_run, nothing written yet
                 os.rmdir(cfg.output_dir)
         sys.exit(2)
-    engine, ac_plan, ds_config, precision, dtype = (built.engine, built.ac_plan, built.ds_config, built.precision,
-                                                     built.dtype)
-    # the first checkpoint's size, for the disk check: weights in the model's precision, the fp32 master copy and
-    # Adam's two moments (later checks use the newest checkpoint's real size)
-    checkpoint_estimate = n_params * (dtype.itemsize + 12)
+    return Model(built.engine, processor, built.ac_plan, built.ds_config, built.precision, built.dtype, n_params)
 
-    # ------------------------------------------------------------------ resume
-    start_step, data_state, data_streams = 0, None, cfg.data_streams
+
+# ---------------------------------------------------------------------------------------------------- resume
+@dataclass
+class Start:
+    step: int  # the last step done: 0 for a fresh run
+    data_state: dict | None  # the data position to continue from; None: a fresh data order
+    data_streams: int  # the data_streams the data position was written with (or the config's)
+    ema: EMA | None
+
+
+def resume(run: Run, model: Model) -> Start:
+    cfg, rank, resume = run.cfg, run.rank, run.checked.resume
+    start = Start(0, None, cfg.data_streams, None)
     if cfg.resume and resume is None and rank == 0:
-        print(f"resume: no checkpoint in {ckpt_dir} yet, starting from step 0")
+        print(f"resume: no checkpoint in {run.ckpt_dir} yet, starting from step 0")
     if resume:
-        heartbeat.beat("loading the checkpoint")
+        run.heartbeat.beat("loading the checkpoint")
         try:
-            with compat.universal_load_keeps_group_settings(engine):
-                path, client_state = engine.load_checkpoint(resume.load_dir, tag=resume.load_tag)
+            with compat.universal_load_keeps_group_settings(model.engine):
+                path, client_state = model.engine.load_checkpoint(resume.load_dir, tag=resume.load_tag)
         except RuntimeError as e:  # another model's checkpoint: one line, every rank stops (bad input)
             if (why := describe_load_error(e, resume.path)) is None:
                 raise
@@ -287,234 +251,232 @@ def main(argv=None):
             os._exit(2)
         if path is None:
             raise SystemExit(f"error: could not load a checkpoint from {resume.path}")
-        start_step = client_state["step"]
-        data_state, streams, why_not = resume_state(
-            resume.state and resume.state["data"], step=start_step, mode=cfg.data_mode, seed=cfg.seed,
-            data_streams=cfg.data_streams, world_size=world_size, grad_accum_steps=cfg.grad_accum_steps,
+        start.step = client_state["step"]
+        start.data_state, streams, why_not = resume_state(
+            resume.state and resume.state["data"], step=start.step, mode=cfg.data_mode, seed=cfg.seed,
+            data_streams=cfg.data_streams, world_size=run.world_size, grad_accum_steps=cfg.grad_accum_steps,
             num_workers=cfg.num_workers, micro_batch_size=cfg.micro_batch_size, shuffle_buffer=cfg.shuffle_buffer)
-        data_streams = streams or data_streams
+        start.data_streams = streams or start.data_streams
         if rank == 0:
-            print(f"resumed from {path} at step {start_step}" + (
-                "" if data_state else f"; data order restarts ({why_not})"))
+            print(f"resumed from {path} at step {start.step}" + (
+                "" if start.data_state else f"; data order restarts ({why_not})"))
     # the EMA of the weights: each rank averages what it holds of them (under ZeRO-3 its partition)
-    ema = EMA(engine.module, cfg.ema_decay) if cfg.ema_decay else None
-    if ema and resume and not ema.load(resume.path) and rank == 0:
+    start.ema = EMA(model.engine.module, cfg.ema_decay) if cfg.ema_decay else None
+    if start.ema and resume and not start.ema.load(resume.path) and rank == 0:
         print(f"ema: {resume.path} holds no EMA; it starts from the resumed weights")
+    return start
 
-    # ------------------------------------------------------------------ data
-    # Every rank and worker reads its own deterministic slice; a checkpoint's data position makes a resumed
-    # run read exactly what the uninterrupted run would have read next.
+
+# ---------------------------------------------------------------------------------------------------- data
+@dataclass
+class Data:
+    train_batches: TrainLoader
+    per_epoch: int | None  # micro-batches per rank in an epoch; None in resampled mode
+    normalize: Normalize  # uint8 from the loader to the model's input, on the device
+    val_batches: functools.partial  # a fresh pass over the validation set
+
+
+def build_data(run: Run, model: Model, start: Start) -> Data:
+    """Every rank and worker reads its own deterministic slice; a checkpoint's data position makes a resumed run
+    read exactly what the uninterrupted run would have read next."""
+    cfg, processor = run.cfg, model.processor
     train_stream = ShardStream(
-        train_sources, mode=cfg.data_mode, rank=rank, world_size=world_size, num_workers=cfg.num_workers,
-        micro_batch_size=cfg.micro_batch_size, shuffle_buffer=cfg.shuffle_buffer,
-        grad_accum_steps=cfg.grad_accum_steps, streams=data_streams,
-        seed=cfg.seed if data_state or not start_step else cfg.seed * RESEED_STRIDE + start_step,
+        run.checked.train_sources, mode=cfg.data_mode, rank=run.rank, world_size=run.world_size,
+        num_workers=cfg.num_workers, micro_batch_size=cfg.micro_batch_size, shuffle_buffer=cfg.shuffle_buffer,
+        grad_accum_steps=cfg.grad_accum_steps, streams=start.data_streams,
+        seed=cfg.seed if start.data_state or not start.step else cfg.seed * RESEED_STRIDE + start.step,
         transform=TrainTransform(processor, cfg.crop_scale_min, cfg.hflip, cfg.randaug_n, cfg.randaug_m),
-        state=data_state, num_labels=cfg.num_labels)
-    train_batches = TrainLoader(train_stream, cfg.num_workers)
-    per_epoch = train_stream.batches_per_rank_epoch()  # None in resampled mode
-    normalize = Normalize(processor)
-    val_data = functools.partial(eval_batches, val_sources, EvalTransform(processor), cfg.micro_batch_size, rank,
-                                 world_size, cfg.num_labels)
+        state=start.data_state, num_labels=cfg.num_labels)
+    val_batches = functools.partial(eval_batches, run.checked.val_sources, EvalTransform(processor),
+                                    cfg.micro_batch_size, run.rank, run.world_size, cfg.num_labels)
+    return Data(TrainLoader(train_stream, cfg.num_workers), train_stream.batches_per_rank_epoch(),
+                Normalize(processor), val_batches)
 
-    # ------------------------------------------------------------------ run directory and logging
-    images_per_step = cfg.micro_batch_size * cfg.grad_accum_steps * world_size
-    metrics_file = writer = None
-    if rank == 0:
-        with open(os.path.join(cfg.output_dir, "config.yaml"), "w") as f:
-            yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
-        with open(os.path.join(cfg.output_dir, "ds_config.json"), "w") as f:
-            json.dump(ds_config, f, indent=2)
-        with open(os.path.join(cfg.output_dir, "ac_plan.json"), "w") as f:
-            json.dump(ac_plan, f, indent=1)
-        engine.module.config.save_pretrained(os.path.join(cfg.output_dir, "hf_config"))  # for export.py
-        processor.save_pretrained(os.path.join(cfg.output_dir, "hf_config"))
-        metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
-        if os.path.exists(metrics_path):  # drop records past the checkpoint we resumed from
-            with open(metrics_path) as f:
-                kept = [line for line in f if _record_step(line) <= start_step]
-            with open(metrics_path, "w") as f:
-                f.writelines(kept)
-        metrics_file = open(metrics_path, "a")
-        from torch.utils.tensorboard import SummaryWriter
 
-        writer = SummaryWriter(os.path.join(cfg.output_dir, "tb"), purge_step=start_step + 1)
-        flush_logs += [metrics_file.flush, writer.flush]
-        hpz = compat.zero3_hpz_ranks(engine.module) if cfg.zero_stage == 3 else 1
-        print(f"{cfg.model}: {n_params / 1e6:.2f}M params | ZeRO-{cfg.zero_stage}"
-              f"{f' (hpZ over {hpz} ranks)' if hpz > 1 else ''} | {compat.optimizer_name(engine)} | {precision} | "
-              f"world size {world_size} ({world_size // local_world} node(s) x {local_world}, {device.type}, "
-              f"{torch.get_num_threads()} threads per rank) | global batch {images_per_step} = {cfg.micro_batch_size} "
-              f"micro x {cfg.grad_accum_steps} accum x {world_size} ranks | steps {start_step}->{cfg.max_steps} | "
-              f"data {cfg.data_mode}" + (f", {per_epoch // cfg.grad_accum_steps} steps per epoch" if per_epoch else ""))
+def open_log(run: Run, model: Model, start: Start, data: Data) -> RunLog:
+    """The run's one-line description, then its directory's files and logs (engine/runlog.py)."""
+    cfg, world_size, local_world = run.cfg, run.world_size, run.local_world
+    if run.rank == 0:
+        hpz = compat.zero3_hpz_ranks(model.engine.module) if cfg.zero_stage == 3 else 1
+        print(f"{cfg.model}: {model.n_params / 1e6:.2f}M params | ZeRO-{cfg.zero_stage}"
+              f"{f' (hpZ over {hpz} ranks)' if hpz > 1 else ''} | {compat.optimizer_name(model.engine)} | "
+              f"{model.precision} | world size {world_size} ({world_size // local_world} node(s) x {local_world}, "
+              f"{run.device.type}, {torch.get_num_threads()} threads per rank) | global batch "
+              f"{images_per_step(cfg, world_size)} = {cfg.micro_batch_size} micro x {cfg.grad_accum_steps} accum x "
+              f"{world_size} ranks | steps {start.step}->{cfg.max_steps} | data {cfg.data_mode}"
+              + (f", {data.per_epoch // cfg.grad_accum_steps} steps per epoch" if data.per_epoch else ""))
+    return RunLog(cfg, run.rank, start.step, model.ds_config, model.ac_plan, model.engine.module, model.processor,
+                  run.flush_logs)
 
-    def close_logs():
-        if rank == 0:
-            bar.close()
-            metrics_file.close()
-            writer.close()
 
-    def log(record: dict):
-        if rank == 0:
-            record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
-            metrics_file.write(json.dumps(record) + "\n")
-            metrics_file.flush()
-            for key, value in record.items():
-                if key != "step" and value is not None:
-                    tag = key if "/" in key else ("val/" if key.startswith("val_") else "train/") + key
-                    writer.add_scalar(tag, value, record["step"])
+def images_per_step(cfg: Config, world_size: int) -> int:
+    return cfg.micro_batch_size * cfg.grad_accum_steps * world_size
 
-    def pictures(result: Evaluation, step: int):
-        """Rank 0: the prediction grid and the confusion matrix of an evaluation, to TensorBoard."""
-        labels = [engine.module.config.id2label[i] for i in range(cfg.num_labels)]
-        if result.shown is not None:
-            writer.add_figure("val/predictions", figures.predictions(*result.shown, labels), step)
-        writer.add_figure("val/confusion", figures.confusion(result.confusion.numpy(), labels), step)
 
-    if rank == 0:  # what the run is, beside its scalars: the config and the checkpointing plan
-        writer.add_text("config", "```\n" + yaml.safe_dump(to_dict(cfg), sort_keys=False) + "```", start_step)
-        writer.add_figure("ac/plan", figures.ac_plan(ac_plan), start_step)
+# ---------------------------------------------------------------------------------------------------- step
+def train_step(run: Run, model: Model, data: Data, step: int) -> tuple[torch.Tensor, float]:
+    """One optimizer step over grad_accum_steps micro-batches: (this rank's [loss sum, samples skipped, samples
+    padded, 0] on the device, seconds spent waiting for data)."""
+    cfg, device, engine = run.cfg, run.device, model.engine
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # the last: preemption requested, set by the caller
+    data_wait = 0.0
+    for micro in range(cfg.grad_accum_steps):
+        wait_start = time.perf_counter()
+        images, labels, meta = next(data.train_batches)
+        data_wait += time.perf_counter() - wait_start
+        images = data.normalize(images.to(device, non_blocking=True))  # uint8 from the loader: a quarter of the bytes
+        labels = labels.to(device, non_blocking=True)
+        # mixing, dropout and stochastic depth draw from the seed, the step and the micro-batch's slot in the
+        # step, so that they are the same for any number of ranks and across resumes
+        slot_seed = hash((cfg.seed, step, run.rank * cfg.grad_accum_steps + micro)) % 2**63
+        mix_rng = torch.Generator().manual_seed(slot_seed)
+        torch.manual_seed(slot_seed)
+        images, targets = mix_batch(images, labels, cfg.num_labels, cfg.mixup, cfg.cutmix, mix_rng)
+        logits = engine(images.to(model.dtype)).logits.float()  # (B, num_labels)
+        loss = F.cross_entropy(logits, targets, label_smoothing=cfg.label_smoothing)
+        engine.backward(loss)  # DeepSpeed divides by grad_accum_steps
+        engine.step()  # optimizer and LR schedule advance only at the accumulation boundary
+        sums[:3] += torch.stack([loss.detach().double(), torch.tensor(meta["skipped"], dtype=torch.float64,
+                                 device=device), torch.tensor(meta["padded"], dtype=torch.float64, device=device)])
+    return sums, data_wait
 
-    # ------------------------------------------------------------------ training loop
-    from tqdm import tqdm
 
-    bar = tqdm(total=cfg.max_steps, initial=start_step, disable=rank != 0 or not cfg.progress, dynamic_ncols=True,
-               mininterval=1.0 if sys.stderr.isatty() else 30.0)
-    top1 = top5 = result = ema_result = None
-    timed_images, timed_seconds, run_start = 0, 0.0, time.perf_counter()
+# ---------------------------------------------------------------------------------------------------- train
+@dataclass
+class Trained:
+    result: Evaluation | None = None  # the last evaluation
+    ema_result: Evaluation | None = None
+    timed_images: int = 0  # images and seconds of the steady-state steps: the summary's images/s
+    timed_seconds: float = 0.0
+    started: float = 0.0
+
+
+def train(run: Run, model: Model, start: Start, data: Data, log: RunLog) -> Trained:
+    cfg, device, engine, rank, ema = run.cfg, run.device, model.engine, run.rank, start.ema
+    trained = Trained(started=time.perf_counter())
     data_totals = torch.zeros(2, dtype=torch.float64, device=device)  # samples skipped, padded: all ranks
     bad_in_a_row = bad_total = 0
-    for step in range(start_step + 1, cfg.max_steps + 1):
-        heartbeat.beat(f"step {step}")
+    per_step = images_per_step(cfg, run.world_size)
+    for step in range(start.step + 1, cfg.max_steps + 1):
+        run.heartbeat.beat(f"step {step}")
         # the previous step ended on the clock, so the device is idle here: no second synchronisation a step
-        step_start, data_wait = time.perf_counter(), 0.0
+        step_start = time.perf_counter()
         lr = engine.get_lr()[0]
         # one profiled step per run on CPU: its peak allocation is the CPU counterpart of the GPU allocator's peak
-        profiler = None
-        if device.type == "cpu" and step == start_step + 2:
-            profiler = memory_profiler()
-            prof = profiler.__enter__()
-        sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, skipped, padded, preemption requested
-        for micro in range(cfg.grad_accum_steps):
-            wait_start = time.perf_counter()
-            images, labels, meta = next(train_batches)
-            data_wait += time.perf_counter() - wait_start
-            images = normalize(images.to(device, non_blocking=True))  # uint8 from the loader: a quarter of the bytes
-            labels = labels.to(device, non_blocking=True)
-            # mixing, dropout and stochastic depth draw from the seed, the step and the micro-batch's slot in the
-            # step, so that they are the same for any number of ranks and across resumes
-            slot_seed = hash((cfg.seed, step, rank * cfg.grad_accum_steps + micro)) % 2**63
-            mix_rng = torch.Generator().manual_seed(slot_seed)
-            torch.manual_seed(slot_seed)
-            images, targets = mix_batch(images, labels, cfg.num_labels, cfg.mixup, cfg.cutmix, mix_rng)
-            logits = engine(images.to(dtype)).logits.float()  # (B, num_labels)
-            loss = F.cross_entropy(logits, targets, label_smoothing=cfg.label_smoothing)
-            engine.backward(loss)  # DeepSpeed divides by grad_accum_steps
-            engine.step()  # optimizer and LR schedule advance only at the accumulation boundary
-            sums[:3] += torch.stack([loss.detach().double(), torch.tensor(meta["skipped"], dtype=torch.float64,
-                                     device=device), torch.tensor(meta["padded"], dtype=torch.float64, device=device)])
-        if ema and engine.was_step_applied():
-            ema.update()
-        sums[3] = float(preemption.requested)  # read at the step's end: every rank stops after the same step
-        if profiler is not None:
-            profiler.__exit__(None, None, None)
+        profiled = device.type == "cpu" and step == start.step + 2
+        with memory_profiler() if profiled else contextlib.nullcontext() as prof:
+            sums, data_wait = train_step(run, model, data, step)
+            if ema and engine.was_step_applied():
+                ema.update()
+            sums[3] = float(run.preemption.requested)  # read at the step's end: every rank stops after the same step
+        if profiled:
             before, peak, _ = memory_trace(prof)
         dist.all_reduce(sums)
         step_seconds = clock(device) - step_start  # on GPUs, once the step's kernels and collectives are done
-        step_loss = sums[0].item() / (cfg.grad_accum_steps * world_size)
+        step_loss = sums[0].item() / (cfg.grad_accum_steps * run.world_size)
         data_totals += sums[1:3]
         preempted = sums[3].item() > 0
-        if step > start_step + 1 and profiler is None:  # step 1 allocates buffers and starts workers
-            timed_images, timed_seconds = timed_images + images_per_step, timed_seconds + step_seconds
+        if step > start.step + 1 and not profiled:  # step 1 allocates buffers and starts workers
+            trained.timed_images += per_step
+            trained.timed_seconds += step_seconds
         grad_norm = engine.get_global_grad_norm()
         # DeepSpeed skips an optimizer step whose gradients are not finite (every ZeRO stage and precision; under
         # fp16 that is also its loss scaler's normal work, so there only a non-finite loss counts)
-        nonfinite = not math.isfinite(step_loss) or (not engine.was_step_applied() and precision != "fp16")
+        nonfinite = not math.isfinite(step_loss) or (not engine.was_step_applied() and model.precision != "fp16")
         bad_in_a_row, bad_total = (bad_in_a_row + 1 if nonfinite else 0), bad_total + nonfinite
         record = {"step": step, "loss": step_loss, "lr": lr,
                   "grad_norm": float(grad_norm) if grad_norm is not None else None,
                   "opt/nonfinite_steps": bad_total, "opt/skipped_steps": engine.skipped_steps,
-                  "images_per_sec": images_per_step / step_seconds, "data_wait_frac": data_wait / step_seconds,
+                  "images_per_sec": per_step / step_seconds, "data_wait_frac": data_wait / step_seconds,
                   "peak_mem_bytes": peak_memory_bytes(), "data/skipped": int(data_totals[0]),
-                  "data/padded": int(data_totals[1]), "ac/activation_bytes": ac_plan["activation_bytes_planned"],
-                  "ac/recompute_flops_frac": ac_plan["recompute_flops_fraction"]}
-        if profiler is not None:  # profiling slows this step: the summary's images/s leaves it out
+                  "data/padded": int(data_totals[1]), "ac/activation_bytes": model.ac_plan["activation_bytes_planned"],
+                  "ac/recompute_flops_frac": model.ac_plan["recompute_flops_fraction"]}
+        if profiled:  # profiling slows this step: the summary's images/s leaves it out
             record["mem/step_peak_alloc_bytes"] = peak - before
-        if per_epoch:
-            record["data/epoch"] = train_batches.state["batches"] / per_epoch
-
+        if data.per_epoch:
+            record["data/epoch"] = data.train_batches.state["batches"] / data.per_epoch
         if not preempted and (step == cfg.max_steps or (cfg.eval_every and step % cfg.eval_every == 0)):
-            heartbeat.beat(f"step {step}, evaluating")
-            result = evaluate(engine, val_data(), normalize, dtype, device, cfg.num_labels)
-            top1, top5 = result.top1, result.top5
-            record.update(val_top1=top1, val_top5=top5)
+            run.heartbeat.beat(f"step {step}, evaluating")
+            evaluate_now(run, model, data, ema, trained)
+            record.update(val_top1=trained.result.top1, val_top5=trained.result.top5)
             if ema:
-                with ema.swapped(engine):
-                    ema_result = evaluate(engine, val_data(), normalize, dtype, device, cfg.num_labels)
-                record.update(val_ema_top1=ema_result.top1, val_ema_top5=ema_result.top5)
-            if rank == 0:
-                bar.write(f"step {step}: val top-1 {top1:.2%} top-5 {top5:.2%}" + (
-                    f" | EMA top-1 {ema_result.top1:.2%} top-5 {ema_result.top5:.2%}" if ema else ""))
-                pictures(result, step)
-        log(record)
+                record.update(val_ema_top1=trained.ema_result.top1, val_ema_top5=trained.ema_result.top5)
+            log.evaluation(step, trained.result, trained.ema_result)
+        log.record(record)
         if bad_in_a_row >= cfg.max_bad_steps:  # every rank sees the same all-reduced loss and skipped step
-            close_logs()
+            log.close()
             if rank == 0:
                 print(f"error: step {step}: the loss or the gradients were not finite in {bad_in_a_row} steps in a row "
                       f"(max_bad_steps), each one skipped; the weights are those of step {step - bad_in_a_row}. "
                       f"Look for bad data or a too high lr, then resume from the newest checkpoint",
                       file=sys.stderr, flush=True)
             exit_distributed(EXIT_NONFINITE)
-        bar.set_postfix(loss=f"{step_loss:.4f}", img_s=f"{record['images_per_sec']:.0f}", refresh=False)
-        bar.update()
-
-        # -------------------------------------------------------------- checkpoint
+        log.progress(step_loss, record["images_per_sec"])
         if preempted or step == cfg.max_steps or (cfg.save_every and step % cfg.save_every == 0):
-            heartbeat.beat(f"step {step}, saving")
-            positions = [None] * world_size
-            dist.all_gather_object(positions, train_batches.state_dict())
-            state = {"step": step, "world_size": world_size, "zero_stage": cfg.zero_stage,
-                     "val_top1": record.get("val_top1"), "data": merge_states(positions), "param_shapes": shapes}
-            saved = save(engine, ckpt_dir, step, state, keep_last=cfg.keep_last, keep_best=cfg.keep_best,
-                         min_free_gb=cfg.min_free_gb, estimate_bytes=checkpoint_estimate,
-                         log=bar.write if rank == 0 else lambda *a: None, also=ema.save if ema else None)
+            saved = save_checkpoint(run, model, data, ema, step, record.get("val_top1"), log)
         if preempted:
-            close_logs()
+            log.close()
             if rank == 0:
-                name = signal.Signals(preemption.signal).name if preemption.signal else "a signal on another rank"
+                name = signal.Signals(run.preemption.signal).name if run.preemption.signal else \
+                    "a signal on another rank"
                 print(f"preempted ({name}) after step {step}: " + (
                     f"checkpoint step{step:07d} written; continue with --resume latest" if saved else
                     "no checkpoint written (see above); --resume latest continues from the newest"), flush=True)
             exit_distributed(EXIT_PREEMPTED)
-    bar.close()
-    if top1 is None:  # resumed at max_steps: nothing left to train, still report the model's accuracy
-        result = evaluate(engine, val_data(), normalize, dtype, device, cfg.num_labels)
-        top1, top5 = result.top1, result.top5
+    log.end_progress()
+    if trained.result is None:  # resumed at max_steps: nothing left to train, still report the model's accuracy
+        trained.result = evaluate(engine, data.val_batches(), data.normalize, model.dtype, device, cfg.num_labels)
+    return trained
 
-    # ------------------------------------------------------------------ export and summary
+
+def evaluate_now(run: Run, model: Model, data: Data, ema: EMA | None, trained: Trained):
+    """The live weights on the whole validation set, then (with an EMA) the averaged ones."""
+    args = (data.normalize, model.dtype, run.device, run.cfg.num_labels)
+    trained.result = evaluate(model.engine, data.val_batches(), *args)
+    if ema:
+        with ema.swapped(model.engine):
+            trained.ema_result = evaluate(model.engine, data.val_batches(), *args)
+
+
+def save_checkpoint(run: Run, model: Model, data: Data, ema: EMA | None, step: int, val_top1, log: RunLog) -> bool:
+    """Every rank's part of checkpoint `step`, with the data position of every rank and worker."""
+    cfg = run.cfg
+    run.heartbeat.beat(f"step {step}, saving")
+    positions = [None] * run.world_size
+    dist.all_gather_object(positions, data.train_batches.state_dict())
+    state = {"step": step, "world_size": run.world_size, "zero_stage": cfg.zero_stage, "val_top1": val_top1,
+             "data": merge_states(positions), "param_shapes": run.checked.param_shapes}
+    # the first checkpoint's size, for the disk check: weights in the model's precision, the fp32 master copy and
+    # Adam's two moments (later checks use the newest checkpoint's real size)
+    estimate = model.n_params * (model.dtype.itemsize + 12)
+    return save(model.engine, run.ckpt_dir, step, state, keep_last=cfg.keep_last, keep_best=cfg.keep_best,
+                min_free_gb=cfg.min_free_gb, estimate_bytes=estimate, log=log.write, also=ema.save if ema else None)
+
+
+# ---------------------------------------------------------------------------------------------------- export
+def finish(run: Run, model: Model, start: Start, trained: Trained, log: RunLog):
+    """The model as a Hugging Face directory (the EMA's weights with export_ema), summary.json and the last line."""
+    cfg = run.cfg
     hf_dir = os.path.join(cfg.output_dir, "hf_model")
-    with ema.swapped(engine) if cfg.export_ema else contextlib.nullcontext():
-        exported = export_hf_model(engine, processor, hf_dir, rank)
+    with start.ema.swapped(model.engine) if cfg.export_ema else contextlib.nullcontext():
+        exported = export_hf_model(model.engine, model.processor, hf_dir, run.rank)
     if not exported:
         exit_distributed(EXIT_NONFINITE)
-    if rank == 0:
-        metrics_file.close()
-        writer.close()
-        throughput = f"{timed_images / timed_seconds:.0f}" if timed_seconds else "n/a"
-        elapsed = time.perf_counter() - run_start
-        minutes, seconds = divmod(int(elapsed), 60)
-        summary = {"step": cfg.max_steps, "val_top1": top1, "val_top5": top5,
-                   "val_ema_top1": ema_result.top1 if ema_result else None,
-                   "images_per_sec": timed_images / timed_seconds if timed_seconds else None,
-                   "steps_this_launch": cfg.max_steps - start_step, "seconds_this_launch": round(elapsed, 1),
-                   "hf_model": hf_dir, "hf_model_weights": "ema" if cfg.export_ema else "live",
-                   "labels": [engine.module.config.id2label[i] for i in range(cfg.num_labels)],
-                   "confusion": result.confusion.long().tolist()}  # rows true, columns predicted
-        with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=1)
-        print(f"done: val top-1 {top1:.2%} (top-5 {top5:.2%}) | {throughput} images/s | "
-              f"{cfg.max_steps - start_step} steps in {minutes}m{seconds:02d}s | "
-              f"{'EMA model' if cfg.export_ema else 'model'} saved to {hf_dir}")
+    log.close()
+    result, ema_result = trained.result, trained.ema_result
+    seconds = trained.timed_seconds
+    elapsed = time.perf_counter() - trained.started
+    minutes, secs = divmod(int(elapsed), 60)
+    summary = {"step": cfg.max_steps, "val_top1": result.top1, "val_top5": result.top5,
+               "val_ema_top1": ema_result.top1 if ema_result else None,
+               "images_per_sec": trained.timed_images / seconds if seconds else None,
+               "steps_this_launch": cfg.max_steps - start.step, "seconds_this_launch": round(elapsed, 1),
+               "hf_model": hf_dir, "hf_model_weights": "ema" if cfg.export_ema else "live", "labels": log.labels,
+               "confusion": result.confusion.long().tolist()}  # rows true, columns predicted
+    throughput = f"{trained.timed_images / seconds:.0f}" if seconds else "n/a"
+    log.summary(summary, f"done: val top-1 {result.top1:.2%} (top-5 {result.top5:.2%}) | {throughput} images/s | "
+                         f"{cfg.max_steps - start.step} steps in {minutes}m{secs:02d}s | "
+                         f"{'EMA model' if cfg.export_ema else 'model'} saved to {hf_dir}")
     exit_distributed(0)  # everything is written and closed: skips a gloo abort at interpreter exit (see there)
 
 

@@ -1,6 +1,6 @@
 """One benchmark configuration as one distributed job: DeepSpeed through train.py's own wrapping, or FSDP2.
 
-    torchrun --nproc_per_node 2 benchmarks/bench_worker.py --spec '{"engine": "deepspeed", "zero": 3, ...}' \
+    torchrun --nproc_per_node 2 -m benchmarks.bench_worker --spec '{"engine": "deepspeed", "zero": 3, ...}' \
         --out result.json
 
 `train_bench.py` launches it; every field of the spec is listed in `Spec`. The job:
@@ -32,15 +32,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from config import Config  # noqa: E402
-from engine import compat  # noqa: E402
-from engine.distributed import exit_distributed, flush_cpu_denormals, init_distributed  # noqa: E402
-from engine.memory import allocation_curve, fsdp2_memory_bytes, trace_events  # noqa: E402
-from engine.optim import lr_schedule, param_groups  # noqa: E402
-from engine.parallelize import apply_ac, build_engine, build_training_model, engine_config  # noqa: E402
-from engine.timing import clock  # noqa: E402
-from models import build_model, find_blocks, model_config  # noqa: E402
+from config import Config
+from engine import compat
+from engine.distributed import exit_distributed, flush_cpu_denormals, init_distributed
+from engine.memory import allocation_curve, fsdp2_memory_bytes, trace_events
+from engine.optim import lr_schedule, param_groups
+from engine.parallelize import apply_ac, build_engine, build_training_model, engine_config
+from engine.timing import clock
+from models import build_model, find_blocks, model_config
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Host memory of building and wrapping a large model under ZeRO-3, with and without partitioned construction.
 
-    .venv/bin/python benchmarks/build_memory.py                    # vit-huge (632M), 2 ranks, 2 repeats
-    .venv/bin/python benchmarks/build_memory.py --model vit-base --out /tmp/bm   # quick
+    .venv/bin/python -m benchmarks.build_memory                    # vit-huge (632M), 2 ranks, 2 repeats
+    .venv/bin/python -m benchmarks.build_memory --model vit-base --out /tmp/bm   # quick
 
 Each mode is its own 2-rank torchrun job, in alternating order, `--repeats` times. A job builds the model the way
 train.py does (partitioned: inside deepspeed.zero.Init, `build_training_model`; whole: every rank builds all of it,
@@ -23,7 +23,6 @@ import sys
 import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 MiB = 2**20
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}  # glibc's default start, kept fixed (see above)
 
@@ -101,7 +100,7 @@ def main():
             with tempfile.TemporaryDirectory() as tmp:
                 out = os.path.join(tmp, "r.json")
                 cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2",
-                       "--master_port", str(free_port()), __file__, "--worker", "--model", args.model,
+                       "--master_port", str(free_port()), "-m", "benchmarks.build_memory", "--worker", "--model", args.model,
                        "--partitioned", str(partitioned), "--out", out]
                 env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **MALLOC_ENV)
                 proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)

@@ -1,8 +1,8 @@
 """Convergence: the digits job (`configs/digits-vit.yaml`, 900 steps) trained to the end under DeepSpeed ZeRO-2 +
 `none`, ZeRO-3 + `selective` and FSDP2, with 3 seeds each, through the same data path.
 
-    .venv/bin/python benchmarks/convergence.py              # ~25 min on 2 cores
-    .venv/bin/python benchmarks/convergence.py --report_only
+    .venv/bin/python -m benchmarks.convergence              # ~25 min on 2 cores
+    .venv/bin/python -m benchmarks.convergence --report_only
 
 DeepSpeed runs are `train.py` itself under torchrun. FSDP2 runs are this file's worker (`--fsdp2_worker`) under
 torchrun: the same config keys, shards, augmentation (`TrainTransform`, `mix_batch`), uint8 batches normalised
@@ -22,8 +22,6 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 RECIPE = "configs/digits-vit.yaml"
 # (label, train.py overrides; engine fsdp2 runs the worker below)
 RUNS = [("DeepSpeed ZeRO-2 + none", "deepspeed", ["--zero_stage", "2", "--ac", "none"]),
@@ -39,14 +37,14 @@ def fsdp2_worker(argv):
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from bench_worker import FSDP2Step, Spec
+    from benchmarks.bench_worker import FSDP2Step, Spec
     from config import parse
     from data.loader import ShardStream, TrainLoader, eval_batches
     from data.shards import parse_spec
     from data.transforms import EvalTransform, Normalize, TrainTransform, mix_batch
     from engine.distributed import dist_env, exit_distributed, flush_cpu_denormals
     from models import build_model
-    from train import evaluate
+    from engine.evaluation import evaluate
 
     cfg = parse(argv)
     if cfg.grad_accum_steps != 1:
@@ -96,7 +94,7 @@ def fsdp2_worker(argv):
 def run_one(label: str, engine: str, overrides: list, seed: int, tmp: str) -> dict:
     out = os.path.join(tmp, f"{engine}-{len(os.listdir(tmp))}")
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    script = ["train.py"] if engine == "deepspeed" else [os.path.abspath(__file__), "--fsdp2_worker"]
+    script = ["train.py"] if engine == "deepspeed" else ["-m", "benchmarks.convergence", "--fsdp2_worker"]
     cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(29500 + seed + 10 * len(os.listdir(tmp))),
            *script, "--config", RECIPE, "--seed", str(seed), "--output_dir", out, "--progress", "false", *overrides]
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // 2)), DS_ACCELERATOR="cpu",

@@ -1,7 +1,7 @@
 """Data-only benchmark: decode + augment 224x224 JPEG shards through the training reader.
 
-    python benchmarks/data_bench.py                     # writes benchmarks/results/data/
-    python benchmarks/data_bench.py --images 512 --repeats 3 --out /tmp/data-bench   # quick
+    python -m benchmarks.data_bench                     # writes benchmarks/results/data/
+    python -m benchmarks.data_bench --images 512 --repeats 3 --out /tmp/data-bench   # quick
 
 Measures images/s of the real training path (tar read -> JPEG decode -> random resized crop -> flip ->
 RandAugment(2, 9) -> uint8 batch) for each worker count, and of the evaluation path (decode -> resize -> uint8
@@ -15,7 +15,6 @@ import csv
 import io
 import os
 import platform
-import sys
 import tempfile
 import time
 from datetime import date
@@ -25,11 +24,10 @@ import torch
 import webdataset as wds
 from PIL import Image
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from data.loader import ShardStream, TrainLoader, eval_batches  # noqa: E402
-from data.shards import parse_spec  # noqa: E402
-from data.transforms import EvalTransform, Normalize, TrainTransform  # noqa: E402
-from models import build_model  # noqa: E402
+from data.loader import ShardStream, TrainLoader, eval_batches
+from data.shards import parse_spec
+from data.transforms import EvalTransform, Normalize, TrainTransform
+from models import build_model
 
 
 def write_jpeg_shards(root: str, n: int, per_shard: int = 256):

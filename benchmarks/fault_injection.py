@@ -1,8 +1,8 @@
 """Fault injection: real 2-rank training jobs, each hit by one fault at a point a seed chooses, continued with
 `--resume latest` until they finish, and compared with an uninterrupted run of the same seed.
 
-    python benchmarks/fault_injection.py --faults 48 --seed 0      # report in benchmarks/results/faults/
-    python benchmarks/fault_injection.py --kinds kill-save,stall --faults 4 --out /tmp/faults
+    python -m benchmarks.fault_injection --faults 48 --seed 0      # report in benchmarks/results/faults/
+    python -m benchmarks.fault_injection --kinds kill-save,stall --faults 4 --out /tmp/faults
 
 The faults (`--kinds`, default all), each at a random step, save, evaluation or launcher as the seed draws:
   kill-rank      kill -9 of one rank mid-step
@@ -47,7 +47,6 @@ import time
 from dataclasses import asdict, dataclass, field
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 BIN = os.path.dirname(sys.executable)
 INJECT = os.path.join(REPO, "benchmarks", "inject")  # sitecustomize.py: the faults a job gets from its environment
 KINDS = ("kill-rank", "kill-job", "kill-save", "kill-eval", "kill-export", "sigterm", "sigusr1", "stall", "nan",
@@ -561,7 +560,7 @@ def write_report(episodes: list, a, start_time: float):
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip()
     lines = [f"# Fault injection, {datetime.date.today().isoformat()}", "",
-             f"`python benchmarks/fault_injection.py --faults {a.faults} --seed {a.seed}` at commit {commit}, "
+             f"`python -m benchmarks.fault_injection --faults {a.faults} --seed {a.seed}` at commit {commit}, "
              f"{platform.processor() or platform.machine()} with {os.cpu_count()} cores, torch {torch.__version__}; "
              f"{(time.time() - start_time) / 60:.0f} min.", "",
              f"Each fault hits its own 2-rank job: the debug ViT on the digits, {MAX_STEPS} steps, a checkpoint every "

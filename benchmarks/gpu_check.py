@@ -1,9 +1,9 @@
 """The GPU check: what one call on the one-H200 machine measures, in parts, each under its own time limit, inside
 one time budget, with every result written to the output folder (benchmarks/gpu_check.sh runs it; read it first).
 
-    python3 benchmarks/gpu_check.py OUT                      # every part that fits the budget (BUDGET_S, 480 s)
-    PARTS="5 6" python3 benchmarks/gpu_check.py OUT          # those parts only: a second call
-    SMOKE=1 python3 benchmarks/gpu_check.py OUT              # on CPU, tiny shapes, fp32: the same files
+    python3 -m benchmarks.gpu_check OUT                      # every part that fits the budget (BUDGET_S, 480 s)
+    PARTS="5 6" python3 -m benchmarks.gpu_check OUT          # those parts only: a second call
+    SMOKE=1 python3 -m benchmarks.gpu_check OUT              # on CPU, tiny shapes, fp32: the same files
 
 Parts:
   1 machine   versions (against benchmarks/device/stack.txt), the device, a GEMM's rate (bf16 8192^3: MFU's peak)
@@ -127,7 +127,7 @@ def read_json(path: str):
 # ----------------------------------------------------------------------------- the parts
 def machine(check: Check) -> dict:
     out = os.path.join(check.work, "machine.json")
-    if check.run([sys.executable, os.path.abspath(__file__), "--machine", out]) != 0:
+    if check.run([sys.executable, "-m", "benchmarks.gpu_check", "--machine", out]) != 0:
         raise RuntimeError("the machine probe failed (gpu_check.log)")
     return read_json(out)
 
@@ -139,8 +139,7 @@ def probe_machine(out: str):
 
     import torch
 
-    sys.path.insert(0, os.path.join(REPO, "benchmarks", "device"))
-    from stack import pins
+    from benchmarks.device.stack import pins
 
     expected = pins("installed") | pins("carried")
     versions = {}
@@ -158,7 +157,6 @@ def probe_machine(out: str):
               "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None}
     n, dtype = (8192, torch.bfloat16) if cuda else (1024, torch.float32)
     device = "cuda" if cuda else "cpu"
-    sys.path.insert(0, REPO)
     from engine.timing import clock
 
     a = torch.randn(n, n, device=device, dtype=dtype)
@@ -197,7 +195,7 @@ def suite(check: Check, name: str, micro_batch_size: int = 0, traces: bool = Fal
     if traces:  # each job's warm-up step (after 2 profiled steps and the FLOP-counted one) traced
         env = {"BENCH_TRACE_DIR": os.path.join(check.work, "traces"), "BENCH_TRACE_STEP": "4"}
         os.makedirs(env["BENCH_TRACE_DIR"], exist_ok=True)
-    rc = check.run([sys.executable, "benchmarks/train_bench.py", "--suite", "gpu-check-smoke" if SMOKE else "gpu-check",
+    rc = check.run([sys.executable, "-m", "benchmarks.train_bench", "--suite", "gpu-check-smoke" if SMOKE else "gpu-check",
                     "--out", out] + (["--micro_batch_size", micro_batch_size] if micro_batch_size else []), env)
     if not os.path.exists(os.path.join(out, "results.csv")):
         raise RuntimeError(f"the suite wrote no results (exit {rc}; gpu_check.log)")
@@ -246,7 +244,7 @@ def policies(check: Check) -> dict:
     out = os.path.join(check.work, "policies.json")
     shape = ["--model", "vit-debug", "--image_size", 16, "--patch_size", 0, "--micro_batch_size", 8, "--steps", 6] \
         if SMOKE else ["--steps", 20]
-    rc = check.torchrun("benchmarks/policy_check.py", "--out", out, *shape)
+    rc = check.torchrun("-m", "benchmarks.policy_check", "--out", out, *shape)
     if rc != 0 or not os.path.exists(out):
         raise RuntimeError(f"policy_check.py exited {rc} (gpu_check.log)")
     return read_json(out)

@@ -20,4 +20,4 @@ if ! "$PY" -c "import deepspeed, webdataset" >/dev/null 2>&1; then
     --target "$site" .whl/*.whl || { echo "error: installing .whl/ failed" >&2; exit 2; }
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-exec "$PY" benchmarks/gpu_check.py "$out"
+exec "$PY" -m benchmarks.gpu_check "$out"

@@ -2,23 +2,21 @@
 of the same steps from the same seed, each policy's step time and peak memory. GPU: bf16 (offload included);
 CPU: fp32 (no offload). benchmarks/gpu_check.sh runs it; the exactness tests are tests/ac_equivalence.py's.
 
-    torchrun --nproc_per_node 1 benchmarks/policy_check.py --out policies.json [--model vit-small --image_size 64]
+    torchrun --nproc_per_node 1 -m benchmarks.policy_check --out policies.json [--model vit-small --image_size 64]
 """
 import argparse
 import json
 import os
 import statistics
-import sys
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from config import Config  # noqa: E402
-from engine.distributed import exit_distributed, init_distributed  # noqa: E402
-from engine.parallelize import build_engine, build_training_model, engine_config  # noqa: E402
-from engine.timing import clock  # noqa: E402
-from models import model_config  # noqa: E402
+from config import Config
+from engine.distributed import exit_distributed, init_distributed
+from engine.parallelize import build_engine, build_training_model, engine_config
+from engine.timing import clock
+from models import model_config
 
 FIXED = ("none", "full", "every_n:2", "selective", "hierarchical")
 

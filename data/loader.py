@@ -370,8 +370,8 @@ def resume_state(saved: dict | None, *, step: int, mode: str, seed: int, data_st
 
 def eval_batches(sources, transform, batch_size: int, rank: int, world_size: int, num_labels: int | None = None):
     """Every validation sample once across ranks, in order; ranks may get different batch counts
-    (train.evaluate evens them out). Unreadable samples, and labels outside [0, num_labels), are skipped with a
-    warning."""
+    (engine.evaluation.evaluate evens them out). Unreadable samples, and labels outside [0, num_labels), are skipped
+    with a warning."""
     urls = [u for s in sources for u in s.urls]
     mine = urls[rank::world_size] if len(urls) >= world_size else urls
     stride = 1 if len(urls) >= world_size else world_size

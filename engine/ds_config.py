@@ -17,6 +17,7 @@ MIN_BUCKET_ELEMENTS = 2**20  # a floor, so that small models do not pay one coll
 PREFETCH_FRACTION = 0.9  # stage3_prefetch_bucket_size = 0.9 * h^2
 PERSISTENCE_PER_HIDDEN = 10  # parameters below 10 * h elements stay gathered (biases, norms)
 BLOCK_PARAMS_PER_HIDDEN_SQ = 12  # a transformer block holds ~12 h^2 parameters (attention 4 h^2, MLP 8 h^2)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # the `precision` key's dtypes
 
 
 def resolve_precision(precision: str) -> str:

@@ -9,14 +9,12 @@ import torch
 
 from config import Config
 from engine import compat
-from engine.ds_config import build_ds_config, resolve_precision
+from engine.ds_config import DTYPES, build_ds_config, resolve_precision
 from engine.memory import zero_memory_bytes
 from engine.optim import freeze, lr_schedule, param_groups
 from models import build_model
 from models.blocks import find_blocks
 from models.checkpointing import apply_activation_checkpointing
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass

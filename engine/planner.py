@@ -8,7 +8,7 @@ import torch
 
 from config import Config, ConfigError
 from engine import compat
-from engine.parallelize import DTYPES
+from engine.ds_config import DTYPES
 from engine.memory import offloaded, offloaded_bytes, zero_memory_bytes, zero_memory_parts
 from models.blocks import Block, find_blocks
 from models.checkpointing import PROFILE_BATCH, choose_plan, plan_figures, profile_blocks
@@ -311,87 +311,3 @@ def smallest_cluster(cfg: Config, ds_config_for, precision: str, ranks_per_node:
                 return world, bool(template)
         world *= 2
     return None, False
-
-
-def validate(results_csv: str, mfu: float = 1.0, intra_gbs: float = 10.0, save: bool = False) -> list:
-    """The planner's predictions for every DeepSpeed row of a benchmark suite's results.csv (runs.jsonl and
-    environment.json beside it give each row's configuration and what was measured in the same run), with the
-    measured peak memory and step time and the errors. Two step times: `assumed`, every FLOP at the GEMM rate
-    measured in the run (`mfu` of it), memory-bound operators at a streaming add's bandwidth and the ranks'
-    collectives at `intra_gbs`; and `calibrated`, each shape's own calibration (calibrate(): its operators'
-    rates and the all-gather bandwidth, measured with all ranks running), recorded in the run or, for a run
-    that did not record one, in calibration.json beside it, or else measured now on this machine (and, with
-    `save`, written there, dated, so that the validation's figures can be reproduced)."""
-    import csv
-    import datetime
-    import json
-    import os
-    import statistics
-
-    from benchmarks.bench_worker import Spec, run_config
-    from benchmarks.train_bench import calibrate as calibrate_job, memory_gbs
-    from engine.ds_config import build_ds_config
-
-    folder = os.path.dirname(os.path.abspath(results_csv))
-    with open(results_csv) as f:
-        rows = [r for r in csv.DictReader(f) if r["engine"] == "deepspeed" and r["jobs_ok"] != "0"]
-    with open(os.path.join(folder, "runs.jsonl")) as f:
-        runs = [json.loads(line) for line in f]
-    with open(os.path.join(folder, "environment.json")) as f:
-        env = json.load(f)
-    threads = env.get("threads_per_rank", 1)
-    # the memory bandwidth measured in the same run, or (older runs) now, on this machine
-    mem_gbs = env.get("mem_gbs_per_rank") or statistics.median(memory_gbs(threads))
-    calibrations, sources = dict(env.get("calibration") or {}), {}
-    sources.update((shape, f"median of {len(c['samples'])} measured in the run" if c.get("samples")
-                    else "measured in the run") for shape, c in calibrations.items())
-    later, saved = os.path.join(folder, "calibration.json"), {}
-    if os.path.exists(later):
-        with open(later) as f:
-            saved = json.load(f)
-    for shape, c in saved.items():
-        if shape not in calibrations:
-            calibrations[shape], sources[shape] = c, f"measured at validation on {c['date']}"
-    added = {}
-    out = []
-    for row in rows:
-        jobs = [r for r in runs if r["shape"] == row["shape"] and r["run"] == row["config"]]
-        if not jobs:
-            continue
-        spec = Spec(**{k: v for k, v in jobs[0]["spec"].items() if k in Spec.__dataclass_fields__})
-        cfg = run_config(spec)
-        world, device_type = jobs[0]["world_size"], jobs[0]["device"]
-        precision = "fp32" if device_type == "cpu" else "bf16"
-        # the CPU runs each operator as it is dispatched: its launch cost is inside the measured rates; the
-        # memory (1e6 GiB) is not the question here
-        device = Device(device_type, env["peak_gflops_per_rank"] * 1e9, 1e6, intra_gbs, intra_gbs, 0.0,
-                        mem_gbs=mem_gbs)
-        hidden = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size).hidden_size
-        ds_config = build_ds_config(cfg, hidden, world, precision)
-        assumed = estimate(cfg, ds_config, precision, world, world, device, mfu, mbu=1.0)
-        if row["shape"] not in calibrations:
-            added[row["shape"]] = calibrations[row["shape"]] = dict(
-                calibrate_job(cfg.model, cfg.image_size, cfg.patch_size, cfg.micro_batch_size, cfg.num_labels,
-                              world, threads, precision), date=datetime.date.today().isoformat())
-            sources[row["shape"]] = f"measured at validation on {calibrations[row['shape']]['date']}"
-        calibration = calibrations[row["shape"]]
-        cal_device, rates = calibrated(device, calibration)
-        est = estimate(cfg, ds_config, precision, world, world, cal_device, mbu=1.0, rates=rates)
-        step_s = statistics.median(statistics.median(r["step_seconds"]) for r in jobs)
-        measured_peak = float(row["peak_alloc_mib"]) * 2**20
-        out.append({"shape": row["shape"], "config": row["config"], "zero_stage": cfg.zero_stage, "ac": cfg.ac,
-                    "peak_predicted": est["peak_bytes"], "peak_measured": measured_peak,
-                    "peak_error": est["peak_bytes"] / measured_peak - 1, "step_measured": step_s,
-                    "step_predicted": est["step_s"], "step_error": est["step_s"] / step_s - 1,
-                    "compute_s": est["compute_s"], "memory_bound_s": est["memory_bound_s"], "comm_s": est["comm_s"],
-                    "step_assumed": assumed["step_s"], "step_error_assumed": assumed["step_s"] / step_s - 1,
-                    "mem_gbs": mem_gbs, "mem_gbs_source": "measured in the run" if env.get("mem_gbs_per_rank")
-                    else "measured at validation",
-                    "calibration": {k: calibration[k] for k in CALIBRATION_RATES},
-                    "calibration_samples": calibration.get("samples", []),
-                    "calibration_source": sources[row["shape"]],
-                    "calibration_failed_ops": len(calibration["failed_ops"])})
-    if save and added:
-        with open(later, "w") as f:
-            json.dump({**saved, **added}, f, indent=1)
-    return out

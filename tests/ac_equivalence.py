@@ -1,28 +1,26 @@
 """Run by tests/test_checkpointing.py under `deepspeed --num_gpus 2`: every AC policy against `none`.
 
-    deepspeed --num_gpus 2 tests/ac_equivalence.py ZERO_STAGE OUT.json
+    deepspeed --num_gpus 2 --module tests.ac_equivalence ZERO_STAGE OUT.json
 
 For vit-debug and swin-debug, each policy trains 4 steps from the same seed on the same per-rank batches
 under the given ZeRO stage, through train.py's own `build_engine`; rank 0 writes the losses and a digest of
 the final weights per policy, and what the compat functions found (tests/test_compat.py reads those).
 """
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import deepspeed  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import deepspeed
+import torch
+import torch.nn.functional as F
 
-from config import Config  # noqa: E402
-from engine import compat  # noqa: E402
-from engine.distributed import exit_distributed  # noqa: E402
-from engine.memory import zero_memory_bytes  # noqa: E402
-from engine.optim import param_groups  # noqa: E402
-from engine.parallelize import build_engine, build_training_model, engine_config  # noqa: E402
-from models import build_model  # noqa: E402
-from models.checkpointing import activation_peak, profile_blocks  # noqa: E402
+from config import Config
+from engine import compat
+from engine.distributed import exit_distributed
+from engine.memory import zero_memory_bytes
+from engine.optim import param_groups
+from engine.parallelize import build_engine, build_training_model, engine_config
+from models import build_model
+from models.checkpointing import activation_peak, profile_blocks
 
 stage, out = [int(a) if a.isdigit() else a for a in sys.argv[1:] if not a.startswith("--local_rank")]
 deepspeed.init_distributed()

@@ -9,7 +9,6 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
-sys.path.insert(0, REPO)
 
 # The one tiny configuration every integration test trains (torchtitan's "debug model").
 DEBUG_ARGS = ["--image_size", "16", "--micro_batch_size", "16", "--max_steps", "120", "--warmup_steps", "10",

@@ -9,10 +9,12 @@ import sys
 import pytest
 from conftest import REPO
 
+from benchmarks.report import compare, paired_ratio
+
 
 @pytest.mark.slow
 def test_cpu_smoke_suite(tmp_path):
-    proc = subprocess.run([sys.executable, "benchmarks/train_bench.py", "--suite", "cpu-smoke", "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.train_bench", "--suite", "cpu-smoke", "--out", str(tmp_path)],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["config"]: r for r in csv.DictReader(open(tmp_path / "results.csv"))}
@@ -63,7 +65,7 @@ def test_cpu_smoke_suite(tmp_path):
     md = (tmp_path / "results.md").read_text()
     assert "## Targets" in md and "ZeRO-3 + selective" in md and "torch 2.13.0" in md
     assert "| vit-debug | selective | ZeRO-3 + selective |" in md and "## The budget race" in md
-    # plan.py --validate on the same rows: its predicted peaks are the ones the runs planned with
+    # benchmarks.validate on the same rows: its predicted peaks are the ones the runs planned with
     planner = (tmp_path / "planner.md").read_text()
     deepspeed_rows = [r for r in rows.values() if r["engine"] == "deepspeed"]
     assert f"{len(deepspeed_rows)} rows; largest peak error" in planner
@@ -74,7 +76,7 @@ def test_cpu_smoke_suite(tmp_path):
 
 def test_worker_refuses_a_job_without_timed_steps(tmp_path):
     # its profiler stops when the first timed step starts: without one it would fail inside the profiler
-    proc = subprocess.run([sys.executable, "benchmarks/bench_worker.py", "--spec", json.dumps({"timed_steps": 0}),
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_worker", "--spec", json.dumps({"timed_steps": 0}),
                            "--out", str(tmp_path / "r.json")], cwd=REPO, env=dict(os.environ, RANK="0", WORLD_SIZE="1"),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
@@ -83,30 +85,21 @@ def test_worker_refuses_a_job_without_timed_steps(tmp_path):
     assert not (tmp_path / "r.json").exists()
 
 
-def _bench():
-    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-    import train_bench
-
-    return train_bench
-
-
 def test_paired_ratio_cancels_drift_between_repeats():
-    tb = _bench()
     # the machine slows by 2x over the repeats; within each repeat a is 1.1x b: the ratio is exactly 1.1
     b = {k: 10.0 / (1 + k / 4) for k in range(5)}
     a = {k: 1.1 * v for k, v in b.items()}
-    ratio, low, high, n = tb.paired_ratio(a, b)
+    ratio, low, high, n = paired_ratio(a, b)
     assert (n, round(ratio, 9), round(low, 9), round(high, 9)) == (5, 1.1, 1.1, 1.1)
     # noise widens the interval around the point; a repeat missing on one side is left out
     a[2] *= 1.05
     a[7] = 99.0
-    ratio, low, high, n = tb.paired_ratio(a, b)
+    ratio, low, high, n = paired_ratio(a, b)
     assert n == 5 and low < ratio < high and low >= 1.1 and high <= 1.1 * 1.05
-    assert tb.paired_ratio({0: 1.0}, {1: 1.0}) is None
+    assert paired_ratio({0: 1.0}, {1: 1.0}) is None
 
 
 def test_compare_reproduces_by_interval_overlap():
-    tb = _bench()
 
     def row(config, speed, low, high, peak=100.0):
         return {"shape": "s", "config": config, "speed_vs_fsdp2": speed, "speed_vs_fsdp2_low": low,
@@ -115,7 +108,7 @@ def test_compare_reproduces_by_interval_overlap():
 
     reference = [row("A", 1.00, 0.98, 1.02), row("B", 0.90, 0.88, 0.92), row("C", 0.80, 0.79, 0.81)]
     rerun = [row("A", 1.03, 1.01, 1.05), row("B", 0.95, 0.93, 0.97), row("C", 0.80, 0.79, 0.81, peak=110.0)]
-    lines, missed = tb.compare(rerun, reference)
+    lines, missed = compare(rerun, reference)
     # A's intervals overlap; B's do not (a 5.6% move); C's speed agrees but its peak moved 10%
     assert missed == [("s", "B"), ("s", "C")]
     assert lines[0].startswith("1 of 3 configurations reproduced")
@@ -131,7 +124,7 @@ def test_convergence_fsdp2_worker_trains_what_train_py_trains(tmp_path, debug_ar
     args = debug_args + ["--max_steps", "3", "--zero_stage", "2", "--eval_every", "0", "--save_every", "0"]
     launch(args + ["--output_dir", tmp_path / "ds"], launcher="torchrun")
     proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2",
-                           "--master_port", str(free_port()), "benchmarks/convergence.py", "--fsdp2_worker", *map(str, args),
+                           "--master_port", str(free_port()), "-m", "benchmarks.convergence", "--fsdp2_worker", *map(str, args),
                            "--output_dir", str(tmp_path / "fsdp2")], cwd=REPO, capture_output=True, text=True,
                           timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
     assert proc.returncode == 0, proc.stderr[-3000:]

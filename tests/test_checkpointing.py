@@ -24,7 +24,7 @@ def test_every_policy_matches_none_bitwise_under_zero(stage, tmp_path):
     # PYTHONFAULTHANDLER: a rank that dies in C++ still prints its Python stack (how the exit abort that
     # `exit_distributed` fixes was found)
     proc = subprocess.run([f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", str(free_port()),
-                           "tests/ac_equivalence.py", str(stage), str(out)], cwd=REPO, env=env,
+                           "--module", "tests.ac_equivalence", str(stage), str(out)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())

@@ -372,7 +372,7 @@ def test_mix_batch_soft_targets(mixup, cutmix):
 
 
 def test_data_benchmark_runs(tmp_path):
-    proc = subprocess.run([sys.executable, "benchmarks/data_bench.py", "--images", "64", "--batches", "2",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.data_bench", "--images", "64", "--batches", "2",
                            "--repeats", "1", "--workers", "0,1", "--out", str(tmp_path)], cwd=REPO,
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr

@@ -17,7 +17,7 @@ gpu_check = importlib.import_module("benchmarks.gpu_check")
 
 def run_check(tmp_path, **env):
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", str(out)], cwd=REPO, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", str(out)], cwd=REPO, capture_output=True,
                           text=True, timeout=120, env=dict(os.environ, SMOKE="1", PYTHONWARNINGS="ignore", **env))
     return proc, out
 

@@ -63,7 +63,7 @@ def test_bench_worker_times_each_step_on_the_clock(tmp_path):
     spec = {"engine": "deepspeed", "zero": 2, "profiled_steps": 1, "timed_steps": 3, "count_flops": False}
     result = tmp_path / "result.json"
     _, calls = _counted_run([f"{BIN}/torchrun", "--nproc_per_node", "1", "--master_port", str(free_port()),
-                             "benchmarks/bench_worker.py", "--spec", json.dumps(spec), "--out", str(result)],
+                             "-m", "benchmarks.bench_worker", "--spec", json.dumps(spec), "--out", str(result)],
                             tmp_path, {"DS_ACCELERATOR": "cpu"})
     steps = spec["profiled_steps"] + spec["timed_steps"]
     assert len(calls) >= 2 * steps and {c["device"] for c in calls} == {"cpu"}

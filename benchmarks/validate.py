@@ -1,0 +1,171 @@
+"""The planner against a benchmark suite's measurements: every DeepSpeed row of a suite's results.csv predicted from
+its configuration, with the errors of its peak memory and step time.
+
+    python -m benchmarks.validate benchmarks/results/cpu/results.csv          # a markdown table
+    python -m benchmarks.validate benchmarks/results/cpu/results.csv --json   # the rows
+
+The suites call `write_validation` after a run: planner.md and planner.json beside its results.csv.
+"""
+import argparse
+import csv
+import datetime
+import json
+import os
+import statistics
+
+import torch
+
+from benchmarks.bench_worker import Spec, run_config
+from benchmarks.measure import calibrate as calibrate_job, memory_gbs
+from engine.ds_config import build_ds_config
+from engine.planner import CALIBRATION_RATES, Device, calibrated, estimate
+from models.registry import model_config
+
+
+def validate(results_csv: str, mfu: float = 1.0, intra_gbs: float = 10.0, save: bool = False) -> list:
+    """The planner's predictions for every DeepSpeed row of a benchmark suite's results.csv (runs.jsonl and
+    environment.json beside it give each row's configuration and what was measured in the same run), with the
+    measured peak memory and step time and the errors. Two step times: `assumed`, every FLOP at the GEMM rate
+    measured in the run (`mfu` of it), memory-bound operators at a streaming add's bandwidth and the ranks'
+    collectives at `intra_gbs`; and `calibrated`, each shape's own calibration (calibrate(): its operators'
+    rates and the all-gather bandwidth, measured with all ranks running), recorded in the run or, for a run
+    that did not record one, in calibration.json beside it, or else measured now on this machine (and, with
+    `save`, written there, dated, so that the validation's figures can be reproduced)."""
+    folder = os.path.dirname(os.path.abspath(results_csv))
+    with open(results_csv) as f:
+        rows = [r for r in csv.DictReader(f) if r["engine"] == "deepspeed" and r["jobs_ok"] != "0"]
+    with open(os.path.join(folder, "runs.jsonl")) as f:
+        runs = [json.loads(line) for line in f]
+    with open(os.path.join(folder, "environment.json")) as f:
+        env = json.load(f)
+    threads = env.get("threads_per_rank", 1)
+    # the memory bandwidth measured in the same run, or (older runs) now, on this machine
+    mem_gbs = env.get("mem_gbs_per_rank") or statistics.median(memory_gbs(threads))
+    calibrations, sources = dict(env.get("calibration") or {}), {}
+    sources.update((shape, f"median of {len(c['samples'])} measured in the run" if c.get("samples")
+                    else "measured in the run") for shape, c in calibrations.items())
+    later, saved = os.path.join(folder, "calibration.json"), {}
+    if os.path.exists(later):
+        with open(later) as f:
+            saved = json.load(f)
+    for shape, c in saved.items():
+        if shape not in calibrations:
+            calibrations[shape], sources[shape] = c, f"measured at validation on {c['date']}"
+    added = {}
+    out = []
+    for row in rows:
+        jobs = [r for r in runs if r["shape"] == row["shape"] and r["run"] == row["config"]]
+        if not jobs:
+            continue
+        spec = Spec(**{k: v for k, v in jobs[0]["spec"].items() if k in Spec.__dataclass_fields__})
+        cfg = run_config(spec)
+        world, device_type = jobs[0]["world_size"], jobs[0]["device"]
+        precision = "fp32" if device_type == "cpu" else "bf16"
+        # the CPU runs each operator as it is dispatched: its launch cost is inside the measured rates; the
+        # memory (1e6 GiB) is not the question here
+        device = Device(device_type, env["peak_gflops_per_rank"] * 1e9, 1e6, intra_gbs, intra_gbs, 0.0,
+                        mem_gbs=mem_gbs)
+        hidden = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size).hidden_size
+        ds_config = build_ds_config(cfg, hidden, world, precision)
+        assumed = estimate(cfg, ds_config, precision, world, world, device, mfu, mbu=1.0)
+        if row["shape"] not in calibrations:
+            added[row["shape"]] = calibrations[row["shape"]] = dict(
+                calibrate_job(cfg.model, cfg.image_size, cfg.patch_size, cfg.micro_batch_size, cfg.num_labels,
+                              world, threads, precision), date=datetime.date.today().isoformat())
+            sources[row["shape"]] = f"measured at validation on {calibrations[row['shape']]['date']}"
+        calibration = calibrations[row["shape"]]
+        cal_device, rates = calibrated(device, calibration)
+        est = estimate(cfg, ds_config, precision, world, world, cal_device, mbu=1.0, rates=rates)
+        step_s = statistics.median(statistics.median(r["step_seconds"]) for r in jobs)
+        measured_peak = float(row["peak_alloc_mib"]) * 2**20
+        out.append({"shape": row["shape"], "config": row["config"], "zero_stage": cfg.zero_stage, "ac": cfg.ac,
+                    "peak_predicted": est["peak_bytes"], "peak_measured": measured_peak,
+                    "peak_error": est["peak_bytes"] / measured_peak - 1, "step_measured": step_s,
+                    "step_predicted": est["step_s"], "step_error": est["step_s"] / step_s - 1,
+                    "compute_s": est["compute_s"], "memory_bound_s": est["memory_bound_s"], "comm_s": est["comm_s"],
+                    "step_assumed": assumed["step_s"], "step_error_assumed": assumed["step_s"] / step_s - 1,
+                    "mem_gbs": mem_gbs, "mem_gbs_source": "measured in the run" if env.get("mem_gbs_per_rank")
+                    else "measured at validation",
+                    "calibration": {k: calibration[k] for k in CALIBRATION_RATES},
+                    "calibration_samples": calibration.get("samples", []),
+                    "calibration_source": sources[row["shape"]],
+                    "calibration_failed_ops": len(calibration["failed_ops"])})
+    if save and added:
+        with open(later, "w") as f:
+            json.dump({**saved, **added}, f, indent=1)
+    return out
+
+
+def validation_table(rows: list) -> str:
+    """plan.py's predictions against a benchmark suite's measurements, as a markdown table and a summary line."""
+    if not rows:
+        return "no DeepSpeed rows to compare"
+    lines = ["| shape | configuration | peak MiB predicted | measured | error | step s calibrated (compute, of it "
+             "memory-bound; communication) | assumed | measured | error calibrated | error assumed |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['config']} | {r['peak_predicted'] / 2**20:.1f} | "
+                     f"{r['peak_measured'] / 2**20:.1f} | {r['peak_error']:+.1%} | {r['step_predicted']:.3f} "
+                     f"({r['compute_s']:.3f}, {r['memory_bound_s']:.3f}; {r['comm_s']:.3f}) | {r['step_assumed']:.3f} | "
+                     f"{r['step_measured']:.3f} | {r['step_error']:+.1%} | {r['step_error_assumed']:+.1%} |")
+    worst_peak = max(rows, key=lambda r: abs(r["peak_error"]))
+    worst_step = max(rows, key=lambda r: abs(r["step_error"]))
+    worst_assumed = max(rows, key=lambda r: abs(r["step_error_assumed"]))
+    return ("\n".join(lines) + f"\n\n{len(rows)} rows; largest peak error {worst_peak['peak_error']:+.1%} "
+            f"({worst_peak['config']}, {worst_peak['shape']}); largest step-time error calibrated "
+            f"{worst_step['step_error']:+.1%} ({worst_step['config']}, {worst_step['shape']}), assumed "
+            f"{worst_assumed['step_error_assumed']:+.1%} ({worst_assumed['config']}, {worst_assumed['shape']})")
+
+
+def calibration_table(rows: list) -> str:
+    """Each shape's calibration, as the validation used it."""
+    lines = ["| shape | operators GFLOP/s | operators GB/s | operators not replayed | streaming GB/s | "
+             "all-gather GB/s per rank | source |", "|---|---|---|---|---|---|---|"]
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        r = next(r for r in rows if r["shape"] == shape)
+        c, samples = r["calibration"], r.get("calibration_samples") or []
+
+        def rate(key):  # the rate used, and the range of the samples it is the median of
+            values = [x[key] / 1e9 for x in samples]
+            return f"{c[key] / 1e9:.1f}" + (f" ({min(values):.1f}-{max(values):.1f})" if len(values) > 1 else "")
+
+        lines.append(f"| {shape} | {rate('flops_per_s')} | {rate('bytes_per_s')} | "
+                     f"{r['calibration_failed_ops']} | {c['stream_gbs']:.1f} | "
+                     f"{c['comm_gbs']:.2f} | {r['calibration_source']} |")
+    return "\n".join(lines)
+
+
+def write_validation(results_dir: str, suite_name: str):
+    """planner.md (and planner.json) beside a benchmark suite's results.csv: the predictions for its rows and their
+    errors."""
+    rows = validate(os.path.join(results_dir, "results.csv"), save=True)
+    with open(os.path.join(results_dir, "planner.json"), "w") as f:  # the same rows, for programs to read
+        json.dump(rows, f, indent=1)
+    with open(os.path.join(results_dir, "planner.md"), "w") as f:
+        f.write(f"# {suite_name}: plan.py's predictions against these measurements\n\n"
+                f"`python -m benchmarks.validate {os.path.relpath(results_dir)}/results.csv`. Two step times per row:\n\n"
+                f"- **calibrated**: what `plan.py --calibrate` measured for the shape with every rank running (the "
+                f"model's own operators replayed forward and backward at the micro-batch, the optimizer's streaming "
+                f"bandwidth, the all-gather bandwidth between the ranks), in the planner's step model; a suite "
+                f"calibrates at the start of each repeat and uses the median (the range in brackets);\n"
+                f"- **assumed**: every FLOP at the 2048^3 GEMM rate measured in the run, memory-bound operators at "
+                f"a streaming add's bandwidth, the collectives at 10 GB/s.\n\n"
+                f"{calibration_table(rows) if rows else ''}\n\n{validation_table(rows)}\n")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results_csv", help="a suite's results.csv (benchmarks/results/<suite>/)")
+    parser.add_argument("--mfu", type=float, default=1.0, help="the assumed step time's fraction of the run's GEMM rate")
+    parser.add_argument("--intra_gbs", type=float, default=10.0, help="the assumed step time's collective bandwidth")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    a = parser.parse_args(argv)
+    if not torch.cuda.is_available():  # DeepSpeed's CPU accelerator, named: it would print that it guessed it
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    rows = validate(a.results_csv, mfu=a.mfu, intra_gbs=a.intra_gbs)
+    print(json.dumps(rows, indent=1) if a.json else validation_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,109 @@
+"""What a run records, in one object: the run directory's files (config.yaml, ds_config.json, ac_plan.json,
+hf_config/), metrics.jsonl, TensorBoard's scalars, text and pictures, the progress bar and summary.json.
+
+Rank 0 writes; on every other rank each method does nothing, so the training loop calls them unconditionally.
+"""
+import json
+import math
+import os
+import sys
+
+import yaml
+
+from config import Config, to_dict
+from engine import figures
+
+
+def _record_step(line: str) -> float:
+    """The step of a metrics.jsonl line; infinity for a blank or cut-off one (a kill mid-write), which is dropped."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return float("inf")
+
+
+class RunLog:
+    def __init__(self, cfg: Config, rank: int, start_step: int, ds_config: dict, ac_plan: dict, module, processor,
+                 flush_logs: list):
+        """Writes the run's description into `cfg.output_dir` and opens its logs, continuing them at `start_step`
+        (records past it, from a run that went further before it was resumed, are dropped). The logs' flushes
+        join `flush_logs`, which a failing rank runs before it exits."""
+        from tqdm import tqdm
+
+        self.on, self.cfg = rank == 0, cfg
+        self.labels = [module.config.id2label[i] for i in range(cfg.num_labels)]
+        self.bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not self.on or not cfg.progress,
+                        dynamic_ncols=True, mininterval=1.0 if sys.stderr.isatty() else 30.0)
+        if not self.on:
+            return
+        out = cfg.output_dir
+        with open(os.path.join(out, "config.yaml"), "w") as f:
+            yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+        with open(os.path.join(out, "ds_config.json"), "w") as f:
+            json.dump(ds_config, f, indent=2)
+        with open(os.path.join(out, "ac_plan.json"), "w") as f:
+            json.dump(ac_plan, f, indent=1)
+        module.config.save_pretrained(os.path.join(out, "hf_config"))  # for export.py
+        processor.save_pretrained(os.path.join(out, "hf_config"))
+        metrics_path = os.path.join(out, "metrics.jsonl")
+        if os.path.exists(metrics_path):  # drop records past the checkpoint we resumed from
+            with open(metrics_path) as f:
+                kept = [line for line in f if _record_step(line) <= start_step]
+            with open(metrics_path, "w") as f:
+                f.writelines(kept)
+        self.metrics = open(metrics_path, "a")
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.tb = SummaryWriter(os.path.join(out, "tb"), purge_step=start_step + 1)
+        flush_logs += [self.metrics.flush, self.tb.flush]
+        # what the run is, beside its scalars: the config and the checkpointing plan
+        self.tb.add_text("config", "```\n" + yaml.safe_dump(to_dict(cfg), sort_keys=False) + "```", start_step)
+        self.tb.add_figure("ac/plan", figures.ac_plan(ac_plan), start_step)
+
+    def record(self, record: dict):
+        """One step's metrics: a metrics.jsonl line (non-finite values as null) and a TensorBoard scalar each."""
+        if not self.on:
+            return
+        record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+        self.metrics.write(json.dumps(record) + "\n")
+        self.metrics.flush()
+        for key, value in record.items():
+            if key != "step" and value is not None:
+                tag = key if "/" in key else ("val/" if key.startswith("val_") else "train/") + key
+                self.tb.add_scalar(tag, value, record["step"])
+
+    def evaluation(self, step: int, result, ema_result=None):
+        """An evaluation's line above the bar, and its prediction grid and confusion matrix in TensorBoard."""
+        if not self.on:
+            return
+        self.bar.write(f"step {step}: val top-1 {result.top1:.2%} top-5 {result.top5:.2%}" + (
+            f" | EMA top-1 {ema_result.top1:.2%} top-5 {ema_result.top5:.2%}" if ema_result else ""))
+        if result.shown is not None:
+            self.tb.add_figure("val/predictions", figures.predictions(*result.shown, self.labels), step)
+        self.tb.add_figure("val/confusion", figures.confusion(result.confusion.numpy(), self.labels), step)
+
+    def progress(self, loss: float, images_per_sec: float):
+        self.bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{images_per_sec:.0f}", refresh=False)
+        self.bar.update()
+
+    def write(self, line: str):
+        """A line printed above the progress bar (rank 0)."""
+        if self.on:
+            self.bar.write(line)
+
+    def end_progress(self):
+        self.bar.close()
+
+    def close(self):
+        self.bar.close()
+        if self.on:
+            self.metrics.close()
+            self.tb.close()
+
+    def summary(self, summary: dict, line: str):
+        """summary.json and the run's last line."""
+        if not self.on:
+            return
+        with open(os.path.join(self.cfg.output_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+        print(line)

@@ -1,0 +1,136 @@
+"""The layout's rules, read from the source: imports go one way and nothing edits sys.path.
+
+The library is `config`, `engine/`, `models/`, `data/` (but `data/make_shards.py`, a script). Entry scripts
+(`train.py`, `plan.py`, `export.py`, the scripts under `data/` and `launch/`) and `benchmarks/` use the library;
+the library never imports them, no two library modules import each other (directly or round a longer cycle), and
+a benchmark never imports an entry script. Every import counts, the ones inside functions too.
+"""
+import ast
+import os
+
+from conftest import REPO
+
+LIBRARY = ("config", "engine", "models", "data")
+SCRIPTS = {"data.make_shards", "launch.slurm_env"}  # command-line scripts that live beside library code
+ENTRY = {"train", "plan", "export"}
+
+
+def python_files():
+    skip = {".venv", ".venv-device", ".git", ".whl", "runs", "__pycache__"}
+    for root, dirs, files in os.walk(REPO):
+        dirs[:] = [d for d in dirs if d not in skip and not d.startswith(".")]
+        for name in files:
+            if name.endswith(".py"):
+                yield os.path.join(root, name)
+
+
+def module_name(path: str) -> str:
+    rel = os.path.relpath(path, REPO)[:-3].replace(os.sep, ".")
+    return rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
+
+
+MODULES = {module_name(p): p for p in python_files()}
+
+
+def imported(path: str) -> set:
+    """The repository's modules a file imports, anywhere in it; `from pkg import name` names pkg.name when that
+    is a module, else pkg."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module
+                         for a in node.names)
+    return {m for m in found if m in MODULES}
+
+
+def kind(module: str) -> str:
+    if module in SCRIPTS or module in ENTRY:
+        return "entry"
+    top = module.split(".")[0]
+    return "library" if top in LIBRARY else top
+
+
+GRAPH = {m: imported(p) for m, p in MODULES.items()}
+
+
+def test_the_rules_see_the_repository():
+    """The test reads what it means to: the library's modules, the entry scripts and the benchmarks are all found,
+    and the edges it checks exist (the trainer imports the library)."""
+    assert {"config", "engine.parallelize", "models.registry", "data.loader", "train", "plan",
+            "benchmarks.train_bench"} <= set(MODULES)
+    assert {"config", "engine.parallelize", "data.loader"} <= GRAPH["train"]
+
+
+def test_the_library_never_imports_entry_scripts_benchmarks_or_tests():
+    wrong = [f"{m} imports {d}" for m, deps in GRAPH.items() if kind(m) == "library"
+             for d in sorted(deps) if kind(d) != "library"]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_benchmarks_never_import_an_entry_script():
+    wrong = [f"{m} imports {d}" for m, deps in GRAPH.items() if kind(m) == "benchmarks"
+             for d in sorted(deps) if kind(d) in ("entry", "tests")]
+    assert not wrong, "\n".join(wrong)
+
+
+def library_cycles() -> list:
+    """Every cycle among the library's modules, each as the path round it (Tarjan's strongly connected
+    components: a component of more than one module, or a module importing itself, is a cycle)."""
+    graph = {m: {d for d in deps if kind(d) == "library"} for m, deps in GRAPH.items() if kind(m) == "library"}
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in graph[v]:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_library_modules_import_each_other():
+    assert not library_cycles(), library_cycles()
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    """The checker above is not vacuous: a planted edge that closes a loop is found."""
+    planted = next(d for d in sorted(GRAPH["engine.parallelize"]) if kind(d) == "library")
+    GRAPH[planted].add("engine.parallelize")
+    try:
+        assert any({"engine.parallelize", planted} <= set(c) for c in library_cycles())
+    finally:
+        GRAPH[planted] = imported(MODULES[planted])
+
+
+def test_nothing_edits_sys_path():
+    """Scripts run from the repository root (`python -m benchmarks.train_bench`) and pytest sets its own path
+    (pytest.ini), so no file uses sys.path."""
+    wrong = []
+    for module, path in sorted(MODULES.items()):
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        wrong += [f"{module}:{n.lineno}" for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "path"
+                  and isinstance(n.value, ast.Name) and n.value.id == "sys"]
+    assert not wrong, wrong
