@@ -54,7 +54,7 @@ def cluster_args(argv):
 
 
 def device_of(a):
-    from engine.planner import DEVICES, Device
+    from planner.devices import DEVICES, Device
 
     if a.device == "cpu":
         missing = [k for k in ("device_tflops", "device_memory_gb") if getattr(a, k) is None]
@@ -181,7 +181,7 @@ def run_calibration(cfg, precision: str, out: str) -> int:
     import torch.distributed as dist
 
     from engine.distributed import exit_distributed, flush_cpu_denormals, init_distributed
-    from engine.planner import calibrate, slowest
+    from planner.calibration import calibrate, slowest
 
     if precision != "fp32" and not torch.cuda.is_available():
         raise ConfigError(f"calibrating {precision} needs the GPU it would run on; on CPU, calibrate fp32")
@@ -217,7 +217,7 @@ def run_calibration(cfg, precision: str, out: str) -> int:
 
 
 def load_calibration(path: str, cfg, precision: str) -> dict:
-    from engine.planner import CALIBRATION_KEYS
+    from planner.calibration import CALIBRATION_KEYS
 
     try:
         with open(path) as f:
@@ -240,7 +240,10 @@ def main(argv=None):
     a, rest = cluster_args(argv)
     try:
         from engine.ds_config import build_ds_config
-        from engine.planner import DEFAULT_MBU, DEFAULT_MFU, DEVICES, calibrated, estimate, search, smallest_cluster
+        from planner.calibration import calibrated
+        from planner.devices import DEFAULT_MBU, DEFAULT_MFU, DEVICES
+        from planner.estimate import estimate
+        from planner.search import search, smallest_cluster
         from models.registry import model_config
 
         if a.list_devices:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ac.policies import check_policy
 from config import Config, ConfigError, parse
 from data.loader import (ShardStream, TrainLoader, check_labels, check_streams, eval_batches, merge_states,
                          resume_state)
@@ -40,13 +41,11 @@ from engine.hf_export import export_hf_model
 from engine.memory import memory_profiler, memory_trace, peak_memory_bytes
 from engine.optim import frozen_names
 from engine.parallelize import build_engine, build_training_model, engine_config
-from engine.planner import meta_model
 from engine.preemption import EXIT_PREEMPTED, Preemption
 from engine.runlog import RunLog
 from engine.timing import clock
 from models import model_config
-from models.checkpointing import check_policy
-from models.registry import check_weight_files
+from models.registry import check_weight_files, meta_model
 
 # a resumed run whose data layout changed starts a fresh data order, seeded by the seed and the step
 RESEED_STRIDE = 1_000_003

@@ -39,8 +39,8 @@ def gemm_gflops(threads: int, n: int = 2048, reps: int = 5) -> list:
 
 
 def memory_gbs(threads: int, reps: int = 5) -> list:
-    """GB/s of an elementwise add over 64 MiB fp32 tensors with the ranks' thread count (engine/replay.py)."""
-    from engine.replay import stream_gbs
+    """GB/s of an elementwise add over 64 MiB fp32 tensors with the ranks' thread count (planner/replay.py)."""
+    from planner.replay import stream_gbs
 
     torch.set_num_threads(threads)
     return [stream_gbs(torch.device("cpu"), reps=1) for _ in range(reps)]
@@ -49,7 +49,7 @@ def memory_gbs(threads: int, reps: int = 5) -> list:
 def calibrate(model: str, image_size: int, patch_size: int, micro_batch_size: int, num_labels: int, ranks: int,
               threads: int, precision: str = "fp32", timeout_s: int = 600) -> dict:
     """`plan.py --calibrate` of one shape under torchrun with the suite's ranks and threads: the planner's
-    figures for it, measured with every rank running as in a suite's job (engine/planner.py:calibrate)."""
+    figures for it, measured with every rank running as in a suite's job (planner/calibration.py)."""
     from engine.distributed import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -126,7 +126,7 @@ def environment(threads: int, gemm: list) -> dict:
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "",
             "torch": torch.__version__, "deepspeed": deepspeed.__version__, "transformers": transformers.__version__,
             "threads_per_rank": threads, "peak_gflops_per_rank": round(statistics.median(gemm), 1),
-            # what the planner charges memory-bound operators at on CPU (engine/planner.py)
+            # what the planner charges memory-bound operators at on CPU (planner/estimate.py)
             "mem_gbs_per_rank": None if torch.cuda.is_available() else round(statistics.median(memory_gbs(threads)), 1),
             "peak_source": "bf16 GEMM 8192^3, measured here" if torch.cuda.is_available() else
             "fp32 GEMM 2048^3, measured here",

@@ -30,7 +30,7 @@ from benchmarks.measure import (CPU_ALLOCATOR_ENV, REPO, calibrate, environment,
 from benchmarks.report import check_targets, compare, peak_of, plot, summarise, write_markdown
 from benchmarks.suites import SUITES, MiB, Run, Shape, Suite, fsdp2, runs_of
 from benchmarks.validate import write_validation
-from engine.planner import median_calibration
+from planner.calibration import median_calibration
 
 
 def resolve_budget(run: Run, shape: Shape, measured: dict):

@@ -18,7 +18,9 @@ import torch
 from benchmarks.bench_worker import Spec, run_config
 from benchmarks.measure import calibrate as calibrate_job, memory_gbs
 from engine.ds_config import build_ds_config
-from engine.planner import CALIBRATION_RATES, Device, calibrated, estimate
+from planner.calibration import CALIBRATION_RATES, calibrated
+from planner.devices import Device
+from planner.estimate import estimate
 from models.registry import model_config
 
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ac.policies import apply_activation_checkpointing
+from ac.profile import profile_model
 from config import Config
 from engine import compat
 from engine.ds_config import DTYPES, build_ds_config, resolve_precision
@@ -14,7 +16,6 @@ from engine.memory import zero_memory_bytes
 from engine.optim import freeze, lr_schedule, param_groups
 from models import build_model
 from models.blocks import find_blocks
-from models.checkpointing import apply_activation_checkpointing
 
 
 @dataclass
@@ -92,13 +93,11 @@ def parallelize(model: torch.nn.Module, cfg: Config, ds_config: dict, world_size
 
 def apply_ac(model, cfg, fixed, precision, device_type, log) -> dict:
     """Activation checkpointing per `cfg.ac`; `auto` budgets the activations against `fixed`, what the engine
-    holds beside them (engine/memory.py: ZeRO's, or FSDP2's for the benchmark's baseline, which wraps its
-    blocks through this function too). The profile is the planner's: the run's model on the meta device, in
+    holds beside them (ZeRO's, engine/memory.py; or FSDP2's for the benchmark's baseline, benchmarks/bench_worker.py,
+    which wraps its blocks through this function too). The profile is the planner's: the run's model on the meta device, in
     the run's precision, with the attention kernel of this device, so that no weight is gathered or allocated
-    for it (engine/planner.py)."""
-    from engine.planner import profile
-
-    measured = profile(cfg, device_type, DTYPES[precision])[0]
+    for it (ac/profile.py)."""
+    measured = profile_model(cfg, device_type, DTYPES[precision])[0]
     return apply_activation_checkpointing(model, cfg.ac, device_type, fixed=fixed, log=log, profile=measured)
 
 

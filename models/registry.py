@@ -259,3 +259,12 @@ def build_model(name: str, num_labels: int, image_size: int, patch_size: int = 0
             processor = ViTImageProcessorPil(size={"height": image_size, "width": image_size})
     add_drop_path(model, drop_path)
     return model, processor
+
+
+def meta_model(cfg):
+    """The model of a run (a train.py config) on the meta device: shapes only, nothing allocated or initialised."""
+    config = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size, drop_path=cfg.drop_path)
+    with torch.device("meta"):
+        model = AutoModelForImageClassification.from_config(config)
+    add_drop_path(model, cfg.drop_path)  # its masks are saved tensors, which decide where a recompute stops
+    return model

@@ -13,6 +13,8 @@ import deepspeed
 import torch
 import torch.nn.functional as F
 
+from ac.budget import activation_peak
+from ac.profile import profile_blocks
 from config import Config
 from engine import compat
 from engine.distributed import exit_distributed
@@ -20,7 +22,6 @@ from engine.memory import zero_memory_bytes
 from engine.optim import param_groups
 from engine.parallelize import build_engine, build_training_model, engine_config
 from models import build_model
-from models.checkpointing import activation_peak, profile_blocks
 
 stage, out = [int(a) if a.isdigit() else a for a in sys.argv[1:] if not a.startswith("--local_rank")]
 deepspeed.init_distributed()

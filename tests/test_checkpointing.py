@@ -6,13 +6,13 @@ import subprocess
 
 import pytest
 import torch
+from ac.budget import activation_peak, default_hierarchical_k, plan_for_budget
+from ac.policies import apply_activation_checkpointing, parse_policy
+from ac.profile import PROFILE_BATCH, BlockProfile, profile_blocks
 from conftest import BIN, REPO, free_port, launch, read_metrics
 from config import ConfigError
 from models import build_model, find_blocks
 from engine.memory import allocation_curve, measure_activation_bytes, memory_trace, trace_events
-from models.checkpointing import (BlockProfile, activation_peak, apply_activation_checkpointing,
-                                  default_hierarchical_k, parse_policy, plan_for_budget, profile_blocks,
-                                  PROFILE_BATCH)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -48,7 +48,7 @@ def test_every_policy_matches_none_bitwise_under_zero(stage, tmp_path):
         # what the planner charges ZeRO-1/2 for a step's communication is what DeepSpeed sent: it all-reduces
         # the gradients (2(N-1)/N of each bucket per rank) and all-gathers the updated weights ((N-1) times
         # each rank's partition); a scalar all-reduce or two (the gradient norm) aside
-        from engine.planner import comm_bytes
+        from planner.estimate import comm_bytes
 
         logged = compat_found["zero_collectives"]
         sent = logged["bytes"]

@@ -1,4 +1,4 @@
-"""The planner (plan.py, engine/planner.py): its meta-device profile against the real-tensor one, its parameter
+"""The planner (plan.py, planner/): its meta-device profile against the real-tensor one, its parameter
 counts against the published ones, its model-state bytes against DeepSpeed's own estimators, and the CLI."""
 import json
 import os
@@ -8,15 +8,14 @@ from dataclasses import replace
 
 import pytest
 import torch
+from ac.profile import PROFILE_BATCH, profile_blocks
 from conftest import REPO
 
 from config import Config
 from engine import compat
 from engine.distributed import free_port
 from engine.memory import zero_memory_parts
-from engine.planner import meta_model
-from models.checkpointing import PROFILE_BATCH, profile_blocks
-from models.registry import build_model
+from models.registry import build_model, meta_model
 
 
 @pytest.mark.parametrize("name,image", [("vit-debug", 16), ("swin-debug", 16), ("vit-small", 32),
@@ -140,7 +139,7 @@ def test_vit_block_activations_follow_korthikanti(name):
     matrix (FlashAttention saves its fp32 log-sum-exp instead: −5·a·s²·b + 4·a·s·b), and layer norm's fp32 mean
     and reciprocal deviation (2 norms × 8 bytes per token: +16·s·b); a few bytes of the kernel's RNG state
     remain."""
-    from engine.planner import profile
+    from ac.profile import profile_model as profile
     from models.registry import VIT_SIZES
 
     h, _, a, _, patch = VIT_SIZES[name]
@@ -184,7 +183,7 @@ def test_zeropp_sends_a_quarter_of_zero3s_bytes_between_nodes():
     """Wang et al. 2023: ZeRO-3 moves 3M bytes across nodes per step (two weight gathers, one gradient
     reduce-scatter, in 16-bit); ZeRO++ moves 0.75M (int8 forward gather, backward gather within the node from
     hpZ's secondary partition, int4 gradients). hpZ's secondary partition holds the 16-bit weights over a node."""
-    from engine.planner import comm_bytes
+    from planner.estimate import comm_bytes
 
     n, world, node = 21_758_000_000, 1024, 8
     plain = comm_bytes(n, 3, 1, world, node, 2, {})
@@ -221,7 +220,7 @@ def test_replay_records_the_profiles_work_and_replays_every_operator(name):
     traffic exactly as the checkpointing profile counts them, which the planner charges at the replayed rates;
     its backward has twice the forward's matmul FLOPs, less the input's gradient the stem does not compute;
     every operator then runs on real tensors."""
-    from engine.replay import record, replay
+    from planner.replay import record, replay
 
     cfg = replace(Config(), model=name, image_size=16, num_labels=10)
     images = torch.empty(4, 3, 16, 16, device="meta")

@@ -1,6 +1,6 @@
 """Operator replay: what this machine's device takes for a model's own operators, at the shapes, layouts and
 dtypes a training step runs them with, forward and backward. The planner's step time charges matmuls at a
-FLOP rate and the other operators at a memory bandwidth (engine/planner.py); a replay measures both rates for
+FLOP rate and the other operators at a memory bandwidth (planner/estimate.py); a replay measures both rates for
 one model and micro-batch, so that a plan made here, or on one GPU of the target kind, charges what the
 model's operators run at rather than a square GEMM's rate and a streaming add's bandwidth.
 
@@ -18,7 +18,7 @@ import torch
 
 from engine import compat
 from engine.timing import synchronize
-from models.checkpointing import VIEW_OPS
+from ac.profile import VIEW_OPS
 
 
 @dataclass(frozen=True)

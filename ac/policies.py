@@ -1,0 +1,161 @@
+"""Activation checkpointing per transformer block: what to recompute, chosen per block, never changing numbers.
+
+Policies (run-config key `ac`):
+  none            keep every activation
+  full            recompute every block in the backward pass (keep only its input)
+  every_n:K       recompute blocks 0, K, 2K, ...
+  selective       keep the outputs of the compute-heavy ops (matmuls, attention kernels), recompute the
+                  cheap, memory-heavy ones (norms, GELU, softmax, dropout, residual adds); Korthikanti et
+                  al. 2022, with PyTorch's selective checkpoint contexts
+  hierarchical[:K]  the first K blocks full, the rest selective (ViT); for Swin, K counts stages. By
+                  default K covers the largest-activation blocks holding half of all activation bytes, read
+                  off the profile
+  offload         keep every block's saved activations in pinned host memory (GPU only)
+  auto:BUDGET_GB  per-block plan (none | selective | full) from a one-batch profile of the real model,
+                  the least recompute that fits BUDGET_GB per rank
+
+A block is wrapped by replacing its instance `forward` with a checkpointed call of the original: module
+hooks (DeepSpeed ZeRO-3's parameter gather and release, on whole blocks: engine/parallelize.py) stay outside
+the checkpoint; parameter names and `state_dict` keys do not change. How plans are made and why they are exact:
+docs/activation_checkpointing.md.
+"""
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from ac.budget import default_hierarchical_k, plan_figures, plan_for_budget
+from ac.profile import COMPUTE_OPS, PROFILE_BATCH, Profile, profile_blocks
+from config import ConfigError
+from models.blocks import Block, find_blocks
+
+POLICIES = ("none", "full", "every_n:K", "selective", "hierarchical[:K]", "offload", "auto:BUDGET_GB")
+
+
+def _selective_policy(keep):
+    """Keep the i-th compute op's output when keep[i] (all of them when keep is None); recompute the rest.
+
+    A fresh policy per checkpointed call, with separate op counters for the forward and the recompute,
+    which replay the same ops in the same order and so take the same decisions.
+    """
+    seen = {False: 0, True: 0}
+
+    def policy(ctx, op, *args, **kwargs):
+        if op not in COMPUTE_OPS:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        i = seen[ctx.is_recompute]
+        seen[ctx.is_recompute] += 1
+        save = keep is None or i >= len(keep) or keep[i]
+        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _wrap(block: Block, how: str, keep=None):
+    original = block.module.forward
+    if how == "full":
+        def forward(*args, **kwargs):
+            return checkpoint(original, *args, use_reentrant=False, **kwargs)
+    elif how == "selective":
+        def context():
+            return create_selective_checkpoint_contexts(_selective_policy(keep))
+
+        def forward(*args, **kwargs):
+            return checkpoint(original, *args, use_reentrant=False, context_fn=context, **kwargs)
+    elif how == "offload":
+        def forward(*args, **kwargs):
+            with torch.autograd.graph.save_on_cpu(pin_memory=True):
+                return original(*args, **kwargs)
+    else:
+        raise ValueError(how)
+    block.module.forward = forward
+
+
+def parse_policy(ac: str):
+    """(name, argument) of a policy string, or ConfigError listing the policies."""
+    name, _, arg = ac.partition(":")
+    try:
+        if name in ("none", "full", "selective", "offload") and not arg:
+            return name, None
+        if name == "every_n" and int(arg) >= 1:
+            return name, int(arg)
+        if name == "hierarchical":
+            return name, int(arg) if arg else None
+        if name == "auto" and float(arg) > 0:
+            return name, float(arg)
+    except ValueError:
+        pass
+    raise ConfigError(f"unknown activation checkpointing policy '{ac}' (one of: {', '.join(POLICIES)})")
+
+
+def check_policy(ac: str, device_type: str):
+    """(name, argument) of a policy this device can run, or ConfigError."""
+    name, arg = parse_policy(ac)
+    if name == "offload" and device_type != "cuda":
+        raise ConfigError("ac 'offload' keeps activations in pinned host memory, which needs a GPU; on CPU they "
+                          "are already in host memory")
+    return name, arg
+
+
+def hf_checkpointing_is_on(model) -> bool:
+    return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
+def choose_plan(ac: str, blocks: list[Block], profile, fixed: dict) -> list:
+    """Per block: none, selective, full or offload, as policy `ac` says (a valid one). `hierarchical` and `auto`
+    read the profile; `auto` fits the step's peak (`fixed` + activations) into its budget."""
+    name, arg = parse_policy(ac)
+    if name == "none":
+        return ["none"] * len(blocks)
+    if name in ("full", "selective", "offload"):
+        return [name] * len(blocks)
+    if name == "every_n":
+        return ["full" if i % arg == 0 else "none" for i in range(len(blocks))]
+    if name == "hierarchical":
+        by_stage = len({b.stage for b in blocks}) > 1
+        k = arg if arg is not None else default_hierarchical_k(profile, by_stage)
+        return ["full" if (b.stage if by_stage else b.index) < k else "selective" for b in blocks]
+    if fixed["optimizer_step"] > arg * 2**30:
+        raise ConfigError(f"ac '{ac}': the optimizer step alone needs {fixed['optimizer_step'] / 2**30:.3f} GiB "
+                          "per rank (weights, gradients, AdamW states and temporaries), more than the budget")
+    plan, _, _ = plan_for_budget(profile, int(arg * 2**30) - fixed["backward"] - profile.bytes_outside)
+    return plan
+
+
+def apply_activation_checkpointing(model, ac: str, device_type: str, profile_images=None, fixed: dict = None,
+                                   log=print, profile: Profile = None) -> dict:
+    """Wrap the model's blocks per policy `ac`; returns the plan that was applied (for the run directory).
+
+    `profile`: the blocks' profile at the micro-batch, if made already (ac.profile.profile_model, on the meta device);
+    otherwise one forward of `profile_images` makes it. `fixed`: the bytes that do not depend on the batch when the backward starts and at the optimizer step
+    (engine.memory.zero_memory_bytes); `auto` budgets the activations against them."""
+    fixed = fixed or {"backward": 0, "optimizer_step": 0}
+    name, arg = check_policy(ac, device_type)
+    if name != "none" and hf_checkpointing_is_on(model):
+        raise ConfigError("the model already has Hugging Face activation checkpointing on; nesting it with "
+                          f"ac '{ac}' would recompute twice: disable one of them")
+    blocks = find_blocks(model)
+    if not blocks:
+        raise ConfigError(f"ac '{ac}': no transformer blocks found in {type(model).__name__}")
+    if profile is None and (name in ("hierarchical", "auto") or profile_images is not None):
+        # Profile a small slice of the batch and scale: bytes and FLOPs are exact (tested), and the profile's
+        # own activations (and the compute outputs it holds) stay far below the step's peak memory.
+        # A copy, not a view: a view's storage is the whole batch, and the patch embedding saves its input,
+        # which would be counted at the whole batch's size and then scaled again.
+        small = profile_images[:PROFILE_BATCH].clone()
+        profile = profile_blocks(model, small).scaled(len(profile_images) / len(small))
+    if profile is not None and [p.name for p in profile] != [b.name for b in blocks]:
+        raise RuntimeError(f"the profile's blocks ({len(profile)}) are not the model's ({len(blocks)})")
+    plan = choose_plan(ac, blocks, profile, fixed)
+    for i, (block, how) in enumerate(zip(blocks, plan)):
+        if how != "none":
+            _wrap(block, how, profile[i].keep if profile is not None else None)
+    result = {"ac": ac, "blocks": [{"name": b.name, "stage": b.stage, "policy": how} for b, how in zip(blocks, plan)]}
+    if profile is not None:
+        result["profile"] = [p.__dict__ for p in profile]
+        result.update(plan_figures(profile, plan, fixed))
+        if name in ("auto", "hierarchical"):
+            counts = {h: plan.count(h) for h in ("none", "selective", "full")}
+            mib = {k: result[f"activation_{k}"] / 2**20 for k in ("bytes_planned", "bytes_none", "peak_planned")}
+            log(f"ac {ac}: {counts} | activations {mib['bytes_planned']:.1f} MiB of {mib['bytes_none']:.1f} MiB, "
+                f"{mib['peak_planned']:.1f} MiB at the peak | recompute {result['recompute_flops_fraction']:.1%} "
+                f"of the step's FLOPs")
+    return result

@@ -1,0 +1,207 @@
+"""What each transformer block saves for the backward and computes, from one forward under a dispatch-mode
+recorder and saved-tensor hooks (on the meta device for a plan, or on the real model): the figures every
+checkpointing plan and the planner's memory and step time are read from."""
+from dataclasses import dataclass
+
+import torch
+
+from engine import compat
+from models.blocks import find_blocks
+from models.registry import meta_model
+
+aten = torch.ops.aten
+TO_COPY, UNSAFE_VIEW = compat.internal_copy_and_view_ops()
+# outputs worth keeping: the ops that hold the FLOPs
+COMPUTE_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.convolution.default,
+               *compat.attention_kernels()}
+PROFILE_BATCH = 2  # images the one-batch profile runs; its figures are scaled to the micro-batch
+
+
+@dataclass
+class BlockProfile:
+    name: str
+    stage: int
+    bytes_none: int  # saved-for-backward bytes with every activation kept
+    bytes_selective: int  # the kept compute-op outputs plus the block input
+    bytes_full: int  # the block input only
+    flops: int  # forward FLOPs (matmuls, attention)
+    # What the recompute repeats. It stops at the block's last saved tensor (non-reentrant checkpointing's
+    # early stop), so the ops after it (the MLP's last matmul, its residual add) never rerun.
+    flops_full: int  # compute-op FLOPs before the last saved tensor: rerun under `full`
+    flops_selective: int  # those of them whose outputs `selective` does not keep (see `keep`): rerun under it
+    cheap_elems: int  # elements produced by the other ops before the last saved tensor: rerun by both
+    keep: list  # per compute op in forward order: does the backward read its output, itself or as a copy?
+    # what the block's backward holds beside the saved activations: the gradients of its largest matmul output
+    # and of its input
+    bytes_grad: int = 0
+    params: int = 0  # the block's own parameters (not scaled with the batch)
+
+    def scaled(self, factor: float) -> "BlockProfile":
+        """The profile of a batch `factor` times larger: every saved activation, FLOP and element of a ViT
+        or Swin block is proportional to the batch (the weights, which are not, are not counted)."""
+        return BlockProfile(self.name, self.stage, round(self.bytes_none * factor), round(self.bytes_selective * factor),
+                            round(self.bytes_full * factor), round(self.flops * factor), round(self.flops_full * factor),
+                            round(self.flops_selective * factor), round(self.cheap_elems * factor), self.keep,
+                            round(self.bytes_grad * factor), self.params)
+
+
+# ops that only copy or rescale one tensor: a saved tensor made from a compute output by these alone is that
+# output in another layout (transformers' eager and math-SDPA attention save `(q * scale).contiguous()`)
+# (`contiguous` reaches the dispatcher as `clone`; `mul`/`div` count only with a scalar, one tensor argument)
+COPY_OPS = {aten.clone, TO_COPY, aten.mul, aten.div}
+
+
+# ops that move no data: a view, or metadata only
+VIEW_OPS = (aten.view, UNSAFE_VIEW, aten.t, aten.transpose, aten.permute, aten.expand, aten.reshape, aten.detach,
+            aten.slice, aten.select)
+
+
+class _OpRecorder(compat.dispatch_mode_class()):
+    """Bytes of compute-op outputs and element counts of the other ops, per active block."""
+
+    def __init__(self):
+        super().__init__()
+        self.block, self.compute_outputs, self.cheap_ops, self.packs, self.ops = None, {}, {}, {}, 0
+        self.moved = 0  # bytes the memory-bound ops (all but the compute ops and views) read and write
+        # storage address -> (block, index of the compute op) it was copied or rescaled from
+        self.copied_from = {}
+        # Compute outputs (and copies of them) are matched to saved tensors by storage address; holding them
+        # for the profile's forward keeps a freed output's address from being reused by a later saved tensor,
+        # which would mark an unsaved output as kept.
+        self.alive = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops += not func.is_view
+        moves_data = not func.is_view and compat.op_packet(func) not in VIEW_OPS
+        if func not in COMPUTE_OPS and moves_data:
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            ins = [a for arg in args for a in (arg if isinstance(arg, (tuple, list)) else (arg,))]
+            self.moved += sum(t.numel() * t.element_size() for t in (*ins, *outs) if isinstance(t, torch.Tensor))
+        if self.block is not None:
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            tensors = [t for t in outs if isinstance(t, torch.Tensor)]
+            packs = self.packs.get(self.block, 0)  # tensors the block saved before this op ran
+            if func in COMPUTE_OPS:
+                self.alive.append(tensors[0])
+                storage = tensors[0].untyped_storage()
+                flops = compat.flop_count(func, args, kwargs or {}, out)
+                ops = self.compute_outputs.setdefault(self.block, [])
+                self.copied_from[compat.storage_id(tensors[0])] = (self.block, len(ops))
+                ops.append((compat.storage_id(tensors[0]), storage.nbytes(), flops, packs))
+            elif compat.op_packet(func) not in VIEW_OPS:
+                self.cheap_ops.setdefault(self.block, []).append((sum(t.numel() for t in tensors), packs))
+                sources = [a for a in args if isinstance(a, torch.Tensor)]
+                if compat.op_packet(func) in COPY_OPS and len(sources) == 1 and tensors:
+                    origin = self.copied_from.get(compat.storage_id(sources[0]))
+                    if origin is not None:
+                        self.alive.append(tensors[0])
+                        self.copied_from[compat.storage_id(tensors[0])] = origin
+        return out
+
+
+class Profile(list):
+    """The blocks' profiles, in forward order, and the activation bytes saved outside any block (the stem,
+    Swin's patch merging, the final norm and head), which no policy changes; the whole forward's FLOPs, and the
+    operators it dispatches (views excepted: each of the others is at least one kernel launch on a GPU), and the
+    bytes its memory-bound operators (norms, activations, softmax, adds, copies) read and write."""
+    bytes_outside: int = 0
+    forward_flops: int = 0
+    ops: int = 0
+    moved_bytes: int = 0
+
+    def scaled(self, factor: float) -> "Profile":
+        out = Profile(p.scaled(factor) for p in self)
+        out.bytes_outside = round(self.bytes_outside * factor)
+        out.forward_flops, out.ops = round(self.forward_flops * factor), self.ops
+        out.moved_bytes = round(self.moved_bytes * factor)
+        return out
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """A parameter or a view of one (a linear saves its weight transposed), whatever storage it has now."""
+    return isinstance(compat.view_base(t), torch.nn.Parameter)
+
+
+def profile_blocks(model, images: torch.Tensor) -> Profile:
+    """One forward of the unwrapped model: saved-tensor bytes (unique storages; activations only, not the
+    weights the matmuls also save), FLOPs and cheap-op work per block."""
+    weights = {compat.storage_id(t) for t in (*model.parameters(), *model.buffers())}
+
+    blocks = find_blocks(model)
+    saved = {b.name: {} for b in blocks}
+    inputs = {}
+    handles = []
+    recorder = _OpRecorder()
+    for b in blocks:
+        def pre(module, args, name=b.name):
+            recorder.block = name
+            inputs[name] = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+
+        def post(module, args, output):
+            recorder.block = None
+        handles += [b.module.register_forward_pre_hook(pre), b.module.register_forward_hook(post)]
+
+    def pack(t):
+        if recorder.block is not None:  # weights count as saved tensors for the early stop, not as bytes
+            recorder.packs[recorder.block] = recorder.packs.get(recorder.block, 0) + 1
+        if compat.storage_id(t) in weights or _is_parameter(t):
+            # Nothing kept: this forward never runs a backward, and a partitioned model's weights are gathered
+            # only while their module runs (engine/parallelize.py), which holding them here would undo.
+            return None
+        storage = t.untyped_storage()
+        saved.setdefault(recorder.block, {})[compat.storage_id(t)] = storage.nbytes()
+        # Detached: a saved output returned as itself closes a cycle through its own grad_fn that Python's
+        # collector cannot see, and the profiled forward would stay allocated for good.
+        return t.detach()
+
+    flops = compat.flop_counter()
+    # torch's own linear, which checkpointed blocks run under every ZeRO stage (engine/parallelize.py); the
+    # fork_rng: the profile must not move the RNG that dropout and stochastic depth draw from
+    try:
+        with torch.random.fork_rng(devices=[]), compat.functional_linear_is_torchs(), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flops, recorder:
+            model(images).logits.sum()
+    finally:
+        for h in handles:
+            h.remove()
+        recorder.alive.clear()
+    per_module = flops.get_flop_counts()
+    out = Profile()
+    out.forward_flops, out.ops, out.moved_bytes = flops.get_total_flops(), recorder.ops, recorder.moved
+    in_blocks = {ptr for b in blocks for ptr in saved[b.name]}
+    out.bytes_outside = sum(n for ptr, n in saved.get(None, {}).items() if ptr not in in_blocks)
+    for b in blocks:
+        f = sum(per_module.get(f"{type(model).__name__}.{b.name}", {}).values())
+        none = sum(saved[b.name].values())
+        # `selective` keeps the outputs the backward reads, itself or as a copy (keeping the output costs the
+        # copy's bytes and saves rerunning its matmul: Swin's q, k and v). One that only feeds other cheap ops
+        # is not kept: after the last saved tensor (the MLP's last matmul) it is never recomputed; before it
+        # (the attention out-projection, whose residual sum the next norm saves) its matmul reruns, counted
+        # below.
+        outputs = recorder.compute_outputs.get(b.name, [])
+        read = {recorder.copied_from.get(ptr) for ptr in saved[b.name]}
+        keep = [ptr in saved[b.name] or (b.name, i) in read for i, (ptr, *_) in enumerate(outputs)]
+        kept = sum(nbytes for (ptr, nbytes, *_), k in zip(outputs, keep) if k)
+        last = recorder.packs.get(b.name, 0)
+        rerun = [(flops, k) for (_, _, flops, packs), k in zip(outputs, keep) if packs < last]
+        out.append(BlockProfile(b.name, b.stage, none, min(none, kept + inputs[b.name]), inputs[b.name], int(f),
+                                sum(fl for fl, _ in rerun), sum(fl for fl, k in rerun if not k),
+                                sum(n for n, packs in recorder.cheap_ops.get(b.name, []) if packs < last), keep,
+                                max((nbytes for _, nbytes, *_ in outputs), default=0) + inputs[b.name],
+                                sum(compat.param_numel(p) for p in b.module.parameters())))
+    return out
+
+
+def profile_model(cfg, device_type: str, dtype: torch.dtype = torch.float32):
+    """(block profile at the run's micro-batch, parameters, largest block's parameters) from a forward of
+    PROFILE_BATCH images on the meta device, in `dtype` (DeepSpeed's bf16 and fp16 run the whole model in it).
+    Attention runs as the fused kernel torch's SDPA picks on `device_type` (flash attention), whose saved
+    tensors differ from the math fallback meta would take."""
+    model = meta_model(cfg).to(dtype)
+    images = torch.empty(PROFILE_BATCH, 3, cfg.image_size, cfg.image_size, device="meta", dtype=dtype)
+    with compat.sdpa_as_on(device_type):
+        prof = profile_blocks(model, images)
+    n_params = sum(p.numel() for p in model.parameters())
+    largest = max(sum(p.numel() for p in b.module.parameters()) for b in find_blocks(model))
+    return prof.scaled(cfg.micro_batch_size / PROFILE_BATCH), n_params, largest

@@ -1,0 +1,58 @@
+"""The rates a plan takes from the device it runs on, measured (planner/replay.py): the model's own operators'
+FLOP rate and bandwidth at its micro-batch, a streaming add's bandwidth and the all-gather bandwidth."""
+from dataclasses import replace
+
+import torch
+
+from config import Config
+from engine import compat
+from engine.ds_config import DTYPES
+from models.registry import meta_model
+from planner.devices import Device
+
+
+CALIBRATION_KEYS = ("model", "image_size", "patch_size", "micro_batch_size", "precision")
+CALIBRATION_RATES = ("flops_per_s", "bytes_per_s", "stream_gbs", "comm_gbs")  # the rates a plan takes from it
+
+
+def calibrate(cfg: Config, precision: str, device: torch.device, progress=None) -> dict:
+    """What this rank measures for a plan of `cfg` (planner/replay.py): the FLOP rate and bandwidth the model's own
+    operators reach at its micro-batch, forward and backward; a streaming add's bandwidth (the optimizer's); and,
+    in a process group, the all-gather bandwidth between its ranks. Under torchrun every rank measures at once,
+    sharing the node as a run's ranks do."""
+    from planner.replay import collective_gbs, record, replay, stream_gbs
+
+    dtype = DTYPES[precision]
+    model = meta_model(cfg).to(dtype)
+    images = torch.empty(cfg.micro_batch_size, 3, cfg.image_size, cfg.image_size, device="meta", dtype=dtype)
+    with compat.sdpa_as_on(device.type):
+        counts = record(model, images)
+    ops = replay(counts, device, progress=progress)
+    return {**{k: getattr(cfg, k) for k in CALIBRATION_KEYS}, "precision": precision, "device": device.type,
+            "threads": torch.get_num_threads(), "flops_per_s": ops.flops_per_s, "bytes_per_s": ops.bytes_per_s,
+            "stream_gbs": stream_gbs(device), "comm_gbs": collective_gbs(device), "distinct_ops": ops.distinct_ops,
+            "replay_seconds": {"compute_forward": ops.compute_forward_s, "compute_backward": ops.compute_backward_s,
+                               "memory_forward": ops.memory_forward_s, "memory_backward": ops.memory_backward_s},
+            "failed_ops": list(ops.failed)}
+
+
+def slowest(per_rank: list) -> dict:
+    """One calibration from every rank's (a step waits for the slowest rank at every collective): the replay of
+    the rank that took longest, the lowest streaming and all-gather bandwidths, and each rank's figures."""
+    slow = max(per_rank, key=lambda r: sum(r["replay_seconds"].values()))
+    return {**slow, **{k: min(r[k] for r in per_rank) for k in ("stream_gbs", "comm_gbs")}, "ranks": len(per_rank),
+            "per_rank": [{k: r[k] for k in (*CALIBRATION_RATES, "replay_seconds")} for r in per_rank]}
+
+
+def median_calibration(samples: list) -> dict:
+    """One calibration from several of the same shape, measured at different times (a suite's repeats): the
+    sample whose replay took the median time, whole (its rates belong together), with every sample's rates."""
+    ranked = sorted(samples, key=lambda c: sum(c["replay_seconds"].values()))
+    return {**ranked[(len(ranked) - 1) // 2], "samples": [{k: c[k] for k in CALIBRATION_RATES} for c in samples]}
+
+
+def calibrated(device: Device, calibration: dict) -> tuple[Device, dict]:
+    """(the device with the calibration's measured bandwidths, the model's operator rates for estimate())."""
+    device = replace(device, mem_gbs=calibration["stream_gbs"],
+                     intra_gbs=calibration["comm_gbs"] or device.intra_gbs)
+    return device, {k: calibration[k] for k in ("flops_per_s", "bytes_per_s")}

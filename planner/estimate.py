@@ -1,0 +1,144 @@
+"""Per-rank peak memory by part and the step time of one configuration on a cluster."""
+from ac.budget import plan_figures
+from ac.policies import choose_plan
+from ac.profile import profile_model
+from config import Config
+from engine.ds_config import DTYPES
+from engine.memory import offloaded, offloaded_bytes, zero_memory_bytes, zero_memory_parts
+from models.blocks import Block
+from planner.devices import ALLOCATOR_MARGIN, DEFAULT_MBU, DEFAULT_MFU, RESERVED_GIB, Device, target
+
+
+GiB = 2**30
+# Bytes the optimizer step reads and writes per parameter of the rank's partition, fp32: torch's AdamW over the
+# flat partition reads and writes 20 values per parameter (weight decay 2, first moment 3, second moment 5, its
+# square root, division and epsilon 6, the update 4); ZeRO adds the gradient norm for clipping (1), flattening
+# the gradients (2) and copying the updated weights back (2).
+OPTIMIZER_BYTES_PER_PARAM = 25 * 4
+# ZeRO-Offload's optimizer step on the host: parameters updated per second by one node's CPU Adam, all its ranks
+# together. An assumption for a two-socket server (docs/planner.md gives what one core measured here).
+HOST_ADAM_PARAMS_PER_S = 2e9
+OFFLOAD_TEMPLATE = "ds_configs/zero3_offload.json"
+
+
+def comm_bytes(n_params: int, zero_stage: int, grad_accum: int, world_size: int, ranks_per_node: int,
+               weight_bytes: int, zero: dict) -> tuple[float, float]:
+    """(bytes within a node, bytes between nodes) each rank sends per optimizer step, ring collectives moving
+    (N-1)/N of each tensor (Rajbhandari et al. 2020). ZeRO-1 reduces the gradients once and all-gathers the
+    updated weights; ZeRO-2 reduces after every micro-batch (it keeps only its gradient partition). DeepSpeed
+    reduces by all-reducing each bucket and keeping its partition (`use_multi_rank_bucket_allreduce`, on by
+    default), twice a reduce-scatter's bytes, and otherwise by reducing each partition to its owner. ZeRO-3
+    reduce-scatters the gradients after every micro-batch and all-gathers the weights in its forward and again
+    in its backward. Gradients travel in the weights' precision. ZeRO++ (Wang et al. 2023): qwZ gathers int8
+    weights (1 byte), hpZ gathers the backward's weights from a secondary partition within the node, qgZ
+    reduces int4 gradients (0.5 byte)."""
+    share = (world_size - 1) / world_size if world_size > 1 else 0.0
+    multi_node = world_size > ranks_per_node
+    if zero_stage in (1, 2):
+        per_reduction = 2 if zero.get("use_multi_rank_bucket_allreduce", True) else 1
+        reductions = 1 if zero_stage == 1 else grad_accum
+        total = (reductions * per_reduction + 1) * n_params * weight_bytes * share
+        return (0.0, total) if multi_node else (total, 0.0)
+    hpz = zero.get("zero_hpz_partition_size", 1)
+    hpz = hpz if isinstance(hpz, int) and hpz > 1 else 1
+    forward = n_params * (1 if zero.get("zero_quantized_weights") else weight_bytes) * share
+    grads = n_params * (0.5 if zero.get("zero_quantized_gradients") else weight_bytes) * share
+    backward = n_params * weight_bytes * ((hpz - 1) / hpz if hpz > 1 else share)
+    intra = inter = 0.0
+    for volume, local in ((forward, False), (backward, hpz > 1), (grads, False)):
+        if local or not multi_node:
+            intra += volume * grad_accum
+        else:
+            inter += volume * grad_accum
+    return intra, inter
+
+
+def _blocks_of(prof):
+    """Stand-ins for the model's blocks where only their profile is known (what choose_plan reads)."""
+    return [Block(name=p.name, module=None, index=i, stage=p.stage) for i, p in enumerate(prof)]
+
+
+def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, ranks_per_node: int, device: Device,
+             mfu: float = DEFAULT_MFU, overlap: float = 0.0, measured=None, mbu: float = DEFAULT_MBU,
+             rates=None) -> dict:
+    """Per-rank peak memory by part and step time of one configuration. `measured`: a profile_model() result to reuse.
+
+    The step's compute is its matmuls' FLOPs at `mfu` of the device's peak, plus what its memory-bound
+    operators (norms, activations, softmax, adds, copies, the optimizer) read and write at `mbu` of its memory
+    bandwidth: the forward's traffic as profiled, twice that for the backward (each such operator's backward
+    reads the output gradient and its saved inputs and writes the input gradient), the recomputed blocks'
+    cheap operators again, and the optimizer step over the rank's partition. `rates`: {"flops_per_s",
+    "bytes_per_s"} that this model's operators reached at this micro-batch (calibrate()), in place of `mfu` of the
+    device's peak and `mbu` of its bandwidth (the optimizer's stream stays at `mbu` of the device's bandwidth)."""
+    prof, n_params, largest = measured or profile_model(cfg, target(device), DTYPES[precision])
+    fwd_flops, n_ops = prof.forward_flops / cfg.micro_batch_size, prof.ops
+    parts = zero_memory_parts(n_params, cfg.zero_stage, world_size, precision, ds_config)
+    fixed = zero_memory_bytes(n_params, cfg.zero_stage, world_size, precision, ds_config)
+    plan = choose_plan(cfg.ac, _blocks_of(prof), prof, fixed)
+    figures = plan_figures(prof, plan, fixed)
+    activations = figures["activation_peak_planned"]
+    peak = figures["peak_bytes_planned"]
+    weight_bytes = 2 if precision in ("bf16", "fp16") else 4
+    images = cfg.micro_batch_size * cfg.grad_accum_steps
+    recompute = figures["recompute_matmul_flops"] / cfg.micro_batch_size  # per image
+    flops = images * (3 * fwd_flops + recompute)
+    # memory traffic of a micro-batch: forward, backward, and the recomputed cheap ops (read twice, written once)
+    rerun = sum(p.cheap_elems for p, how in zip(prof, plan) if how in ("full", "selective"))
+    moved = 3 * prof.moved_bytes + 3 * rerun * weight_bytes
+    optimizer_moved = OPTIMIZER_BYTES_PER_PARAM * n_params / world_size if not offloaded(cfg.zero_stage, ds_config)[0] \
+        else 0
+    bandwidth = device.mem_gbs * 1e9 * mbu
+    flop_rate, model_bandwidth = (rates["flops_per_s"], rates["bytes_per_s"]) if rates else (device.flops * mfu,
+                                                                                           bandwidth)
+    memory_s = moved * cfg.grad_accum_steps / model_bandwidth + optimizer_moved / bandwidth
+    # a micro-batch takes its FLOPs' and its memory traffic's time, or, if longer, the host's time to launch its
+    # operators (the backward about twice the forward's), which the device cannot outrun
+    micro_s = max(flops / cfg.grad_accum_steps / flop_rate + moved / model_bandwidth,
+                  3 * n_ops * device.op_overhead_s)
+    compute_s = micro_s * cfg.grad_accum_steps + optimizer_moved / bandwidth
+    zero = ds_config.get("zero_optimization", {})
+    intra, inter = comm_bytes(n_params, cfg.zero_stage, cfg.grad_accum_steps, world_size, ranks_per_node,
+                              weight_bytes, zero)
+    sent = intra + inter
+    comm_s = intra / (device.intra_gbs * 1e9) + inter / (device.inter_gbs * 1e9)
+    zeropp = cfg.zero_stage == 3 and bool(zero.get("zero_quantized_weights") or zero.get("zero_quantized_gradients")
+                                          or zero.get("zero_hpz_partition_size", 1) > 1)
+    # ZeRO-Offload: the gradient partition goes to the host and the updated weights come back every step, the
+    # host's CPU Adam updates the node's partitions, and offloaded weights cross PCIe for every gather (forward
+    # and backward of each micro-batch); none of it overlapped
+    optimizer_off, param_off = offloaded(cfg.zero_stage, ds_config)
+    part = n_params / world_size
+    host_bytes = (2 * weight_bytes * part if optimizer_off else 0) + (
+        2 * weight_bytes * part * cfg.grad_accum_steps if param_off else 0)
+    node_ranks = min(ranks_per_node, world_size)
+    host_adam_s = part * node_ranks / HOST_ADAM_PARAMS_PER_S if optimizer_off else 0.0
+    offload_s = host_bytes / (device.host_gbs * 1e9) + host_adam_s
+    step_s = compute_s + (1 - overlap) * comm_s + offload_s
+    capacity = (device.memory_gib - RESERVED_GIB) * (1 - ALLOCATOR_MARGIN) * GiB
+    host = offloaded_bytes(n_params, cfg.zero_stage, world_size, precision, ds_config)
+    host_fits = host * node_ranks <= device.host_memory_gib * GiB * (1 - ALLOCATOR_MARGIN)
+    return {
+        "model": cfg.model, "params": n_params, "largest_block_params": largest, "image_size": cfg.image_size,
+        "precision": precision, "zero_stage": cfg.zero_stage, "micro_batch_size": cfg.micro_batch_size,
+        "grad_accum_steps": cfg.grad_accum_steps, "ac": cfg.ac, "plan": {h: plan.count(h) for h in set(plan)},
+        "world_size": world_size, "ranks_per_node": ranks_per_node, "device": device.name,
+        "global_batch": images * world_size,
+        "memory": {**{k: v for k, v in parts.items() if k != "optimizer_step_temporaries"},
+                   "activations": activations, "optimizer_step_temporaries": parts["optimizer_step_temporaries"]},
+        "peak_bytes": peak, "peak_moment": "backward" if peak > fixed["optimizer_step"] else "optimizer_step",
+        "capacity_bytes": int(capacity), "fits": peak <= capacity and host_fits,
+        "offload": {"optimizer": optimizer_off, "params": param_off, "host_bytes_per_rank": host,
+                    "host_bytes_per_node": host * node_ranks, "pcie_bytes_per_step_per_rank": host_bytes,
+                    "host_adam_s": host_adam_s, "offload_s": offload_s},
+        "flops_per_step_per_rank": flops, "forward_flops_per_image": fwd_flops,
+        "recompute_fraction": figures["recompute_flops_fraction"],
+        "comm_bytes_per_step_per_rank": sent, "comm_bytes_between_nodes": inter, "zeropp": bool(zeropp),
+        "ds_config_template": cfg.ds_config, "compute_s": compute_s, "memory_bound_s": memory_s, "comm_s": comm_s,
+        "step_s": step_s, "memory_bytes_per_step_per_rank": moved * cfg.grad_accum_steps + optimizer_moved,
+        "images_per_s": images * world_size / step_s,
+        "calibrated": rates,
+        "assumptions": {"mfu": mfu, "mbu": mbu, "mem_gbs": device.mem_gbs, "overlap": overlap, "intra_gbs": device.intra_gbs, "inter_gbs": device.inter_gbs,
+                        "reserved_gib": RESERVED_GIB, "allocator_margin": ALLOCATOR_MARGIN,
+                        "op_overhead_s": device.op_overhead_s, "ops_per_forward": n_ops,
+                        "host_gbs": device.host_gbs, "host_adam_params_per_s": HOST_ADAM_PARAMS_PER_S},
+    }

@@ -1,0 +1,65 @@
+"""Every configuration of a run that fits a cluster, fastest first, and the smallest cluster one fits on."""
+from dataclasses import replace
+
+from ac.profile import PROFILE_BATCH, profile_model
+from config import Config, ConfigError
+from engine.ds_config import DTYPES
+from planner.devices import DEFAULT_MBU, DEFAULT_MFU, Device, target
+from planner.estimate import OFFLOAD_TEMPLATE, estimate
+
+
+ZEROPP_TEMPLATE = "ds_configs/zero3pp.json"
+
+
+def search(cfg: Config, ds_config_for, precision: str, world_size: int, ranks_per_node: int, device: Device,
+           global_batch: int, mfu: float = DEFAULT_MFU, overlap: float = 0.0, policies=None,
+           mbu: float = DEFAULT_MBU, rates=None) -> list:
+    """Every (ZeRO stage, micro-batch, accumulation, ac policy) whose global batch is `global_batch` and whose
+    peak fits, fastest first. `ds_config_for(cfg)`: the DeepSpeed config of a candidate. `rates`: a calibration
+    of cfg's micro-batch (estimate()), which then is the only micro-batch searched."""
+    if global_batch % world_size:
+        raise ConfigError(f"global batch {global_batch} is not a multiple of the world size {world_size}")
+    per_rank = global_batch // world_size
+    micro_batches = [m for m in (2**i for i in range(0, 13)) if per_rank % m == 0] or [1]
+    if rates:
+        if per_rank % cfg.micro_batch_size:
+            raise ConfigError(f"the calibrated micro-batch {cfg.micro_batch_size} does not divide the "
+                              f"{per_rank} images per rank of global batch {global_batch}")
+        micro_batches = [cfg.micro_batch_size]
+    policies = policies or ("none", "selective", "full")
+    base = profile_model(replace(cfg, micro_batch_size=PROFILE_BATCH), target(device), DTYPES[precision])
+    found = []
+    # ZeRO-3 also with ZeRO++ (ds_configs/zero3pp.json: hpZ over a node, quantized weights and gradients) when
+    # the job spans nodes: within one node hpZ's secondary partition would be the primary one
+    # and ZeRO-3 with the optimizer and the weights offloaded to host memory (ds_configs/zero3_offload.json)
+    variants = [(1, ""), (2, ""), (3, ""), (3, OFFLOAD_TEMPLATE)] + (
+        [(3, ZEROPP_TEMPLATE)] if world_size > ranks_per_node else [])
+    for stage, template in variants:
+        for micro in micro_batches:
+            scaled = (base[0].scaled(micro / PROFILE_BATCH), *base[1:])
+            for ac in policies:
+                candidate = replace(cfg, zero_stage=stage, micro_batch_size=micro,
+                                    grad_accum_steps=per_rank // micro, ac=ac, ds_config=template)
+                est = estimate(candidate, ds_config_for(candidate), precision, world_size, ranks_per_node, device,
+                               mfu, overlap, scaled, mbu, rates)
+                if est["fits"]:
+                    found.append(est)
+    # equal times (compute-bound either way): fewer accumulation steps, then the lower peak
+    return sorted(found, key=lambda e: (round(e["step_s"], 6), e["grad_accum_steps"], e["peak_bytes"]))
+
+
+def smallest_cluster(cfg: Config, ds_config_for, precision: str, ranks_per_node: int, device: Device,
+                     limit: int = 2**20):
+    """(the fewest ranks, a power of two, on which ZeRO-3 with full recompute at micro-batch 1 fits, with the
+    optimizer and weights offloaded if that is what fits first; whether it is) or (None, False)."""
+    base = profile_model(replace(cfg, micro_batch_size=1), target(device), DTYPES[precision])
+    world = 1
+    while world <= limit:
+        for template in ("", OFFLOAD_TEMPLATE):
+            candidate = replace(cfg, zero_stage=3, micro_batch_size=1, grad_accum_steps=1, ac="full",
+                                ds_config=template)
+            if estimate(candidate, ds_config_for(candidate), precision, world, ranks_per_node, device,
+                        measured=base)["fits"]:
+                return world, bool(template)
+        world *= 2
+    return None, False
