@@ -144,18 +144,23 @@ class Run:
     ckpt_dir: str
 
 
-def setup(argv) -> Run:
-    """Parse and check the input (bad input: one line, exit 2, nothing written), then join the process group."""
-    rank, world_size, local_rank, local_world = dist_env()
+def check_input(argv, rank: int, world_size: int) -> tuple[Config, Checked]:
+    """The run config and its checked inputs; bad input is one line (rank 0's) and exit 2, with nothing written."""
     try:
         cfg = parse(argv)
-        checked = check_run(cfg, world_size, rank)
+        return cfg, check_run(cfg, world_size, rank)
     except (ConfigError, DataError, ValueError) as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         else:  # a launcher kills the other ranks when one exits: rank 0 reports first
             time.sleep(5)
         sys.exit(2)
+
+
+def setup(argv) -> Run:
+    """Check the input, then join the process group and start what watches the run."""
+    rank, world_size, local_rank, local_world = dist_env()
+    cfg, checked = check_input(argv, rank, world_size)
     if "OMP_NUM_THREADS" not in os.environ:  # cores / ranks on this node, as on every benchmark here
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     try:  # after the checks: bad input fails in a second, not after DeepSpeed's import

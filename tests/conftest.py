@@ -60,6 +60,23 @@ def launch(args, nproc=2, launcher="deepspeed", timeout=300, check=True, warning
     return proc
 
 
+def check_input(args, capsys, monkeypatch):
+    """train.py's input checks in this process, the code a launch runs before any process group forms: (exit code,
+    the non-blank lines printed to stderr); the code is 0 when the input passed."""
+    import train
+
+    monkeypatch.chdir(REPO)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    capsys.readouterr()
+    try:
+        train.check_input([str(a) for a in args], rank=0, world_size=1)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    return code, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+
+
 def read_metrics(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]

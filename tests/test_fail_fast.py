@@ -11,7 +11,7 @@ import tarfile
 import time
 
 import pytest
-from conftest import launch, read_metrics, with_faults
+from conftest import check_input, launch, read_metrics, with_faults
 
 
 
@@ -84,30 +84,31 @@ def test_a_label_outside_num_labels_is_skipped_and_counted(digits, debug_args, t
     assert read_metrics(out)[-1]["data/skipped"] >= len(bad)  # the first epoch reads each of them once
 
 
-def test_shards_whose_labels_are_mostly_out_of_range_are_one_error(digits, debug_args, tmp_path):
+def test_shards_whose_labels_are_mostly_out_of_range_are_one_error(digits, debug_args, tmp_path, capsys,
+                                                                  monkeypatch):
     import shutil
 
     shards = tmp_path / "shards"
     shutil.copytree(digits["dir"], shards)
     relabel(f"{digits['dir']}/train-000000.tar", shards / "train-000000.tar", {i: 100 + i for i in range(64)})
     out = tmp_path / "run"
-    proc = launch(debug_args + ["--train_shards", f"{shards}/train-{{000000..000003}}.tar", "--output_dir", out],
-                  launcher="python", check=False, timeout=60)
-    assert proc.returncode == 2
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "num_labels 10" in errors[0] and "the largest is 163" in errors[0], proc.stderr
+    code, lines = check_input(debug_args + ["--train_shards", f"{shards}/train-{{000000..000003}}.tar",
+                                            "--output_dir", out], capsys, monkeypatch)
+    assert code == 2
+    errors = [line for line in lines if line.startswith("error:")]
+    assert len(errors) == 1 and "num_labels 10" in errors[0] and "the largest is 163" in errors[0], lines
     assert not out.exists()
 
 
 @pytest.mark.parametrize("command, status", [("false", "exited with status 1"),
                                              ("sh -c 'echo AccessDenied >&2; exit 3'", "exited with status 3 (AccessDenied)")])
-def test_a_failing_pipe_source_is_one_line_before_training(debug_args, tmp_path, command, status):
+def test_a_failing_pipe_source_is_one_line_before_training(debug_args, tmp_path, command, status, capsys,
+                                                           monkeypatch):
     out = tmp_path / "run"
-    proc = launch(debug_args + ["--train_shards", f"pipe:{command}", "--output_dir", out], launcher="python",
-                  check=False, timeout=60)
-    assert proc.returncode == 2
-    errors = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert errors == [f"error: train_shards 'pipe:{command}': command '{command}' {status}"], proc.stderr
+    code, lines = check_input(debug_args + ["--train_shards", f"pipe:{command}", "--output_dir", out], capsys,
+                              monkeypatch)
+    assert code == 2
+    assert lines == [f"error: train_shards 'pipe:{command}': command '{command}' {status}"], lines
     assert not out.exists()
 
 
@@ -177,7 +178,7 @@ def test_latest_naming_a_missing_checkpoint_is_a_warning(checkpointed, debug_arg
     assert [r["step"] for r in read_metrics(checkpointed)] == [1, 2, 3, 4, 5, 6]
 
 
-def test_a_truncated_weight_file_is_one_line(tmp_path, debug_args):
+def test_a_truncated_weight_file_is_one_line(tmp_path, debug_args, capsys, monkeypatch):
     from models import build_model
 
     model_dir = tmp_path / "model"
@@ -187,12 +188,10 @@ def test_a_truncated_weight_file_is_one_line(tmp_path, debug_args):
     with open(weights, "r+b") as f:
         f.truncate(size // 2)
     out = tmp_path / "run"
-    proc = launch(debug_args + ["--model", model_dir, "--output_dir", out], launcher="python", check=False,
-                  timeout=60)
-    assert proc.returncode == 2
-    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    code, errors = check_input(debug_args + ["--model", model_dir, "--output_dir", out], capsys, monkeypatch)
+    assert code == 2
     assert len(errors) == 1 and errors[0].startswith(f"error: model: {weights} is truncated: its tensors end at byte "
-                                                     f"{size:,} and the file holds {size // 2:,}"), proc.stderr
+                                                     f"{size:,} and the file holds {size // 2:,}"), errors
     assert not out.exists()
 
 
@@ -201,7 +200,7 @@ def test_no_fault_hook_is_read_by_the_training_code():
     from conftest import REPO
 
     files = ["train.py", "config.py", "plan.py", "export.py"] + [
-        os.path.join(d, f) for d in ("engine", "models", "data") for f in os.listdir(os.path.join(REPO, d))
+        os.path.join(d, f) for d in ("ac", "engine", "models", "data", "planner") for f in os.listdir(os.path.join(REPO, d))
         if f.endswith(".py")]
     readers = [f for f in files if "INJECT" in open(os.path.join(REPO, f)).read()]
     assert readers == []
