@@ -77,6 +77,20 @@ def check_input(args, capsys, monkeypatch):
     return code, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
 
 
+def run_plan(*args) -> subprocess.CompletedProcess:
+    """plan.py's main in this process, from the repository root: the exit code and what it printed, as the
+    command would give them (it starts no process group unless launched: --calibrate under torchrun)."""
+    import contextlib
+    import io
+
+    import plan
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(REPO), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = plan.main([str(a) for a in args])
+    return subprocess.CompletedProcess(["plan.py", *map(str, args)], code, out.getvalue(), err.getvalue())
+
+
 def read_metrics(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]

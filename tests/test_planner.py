@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 from ac.profile import PROFILE_BATCH, profile_blocks
-from conftest import REPO
+from conftest import REPO, run_plan as plan
 
 from config import Config
 from engine import compat
@@ -67,11 +67,6 @@ def test_model_state_bytes_equal_deepspeeds_estimators():
             _, theirs, layer = estimate_zero3_model_states_mem_needs(n, largest, per_node, nodes, cpu_offload=False)
             theirs -= layer  # their allowance for the largest gathered layer; ours is zero3_gathered
         assert ours == pytest.approx(theirs, abs=4), stage
-
-
-def plan(*args):
-    return subprocess.run([sys.executable, "plan.py", *map(str, args)], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
 
 
 def test_plan_vit_22b_on_1024_gpus(tmp_path):

@@ -5,12 +5,10 @@ the digits in place of its data (every other key as the recipe sets it). The fin
 import glob
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import yaml
-from conftest import REPO, launch, read_metrics
+from conftest import REPO, launch, read_metrics, run_plan
 from webdataset.shardlists import expand_urls
 
 import config
@@ -45,9 +43,8 @@ def test_gpu_recipe_fits_its_node(name):
     """The planner's verdict for one node of 8 x 80 GB, which the recipes name."""
     keys = recipe(name)
     model = keys["model"] if "/" not in keys["model"] else "vit-large"  # a pretrained directory: its shape
-    proc = subprocess.run([sys.executable, "plan.py", "--config", f"configs/{name}", "--model", model,
-                           "--world_size", "8", "--ranks_per_node", "8", "--device", "a100-80gb", "--json"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = run_plan("--config", f"configs/{name}", "--model", model, "--world_size", 8, "--ranks_per_node", 8,
+                    "--device", "a100-80gb", "--json")
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
     assert plan["fits"] and plan["peak_bytes"] < 0.8 * plan["capacity_bytes"], plan
