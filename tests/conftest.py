@@ -9,6 +9,9 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
+# DeepSpeed's JIT-built ops (the CPU shm all-reduce, CPU Adam) in this environment's own folder: two checkouts
+# share ~/.cache/torch_extensions otherwise, rebuild each other's ops and wait forever on a lock a killed build left
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 # The one tiny configuration every integration test trains (torchtitan's "debug model").
 DEBUG_ARGS = ["--image_size", "16", "--micro_batch_size", "16", "--max_steps", "120", "--warmup_steps", "10",
