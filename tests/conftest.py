@@ -94,6 +94,23 @@ def run_plan(*args) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["plan.py", *map(str, args)], code, out.getvalue(), err.getvalue())
 
 
+@pytest.fixture(scope="session", autouse=True)
+def deepspeed_ops():
+    """DeepSpeed's CPU shared-memory all-reduce, which it JIT-builds on first use (a minute or two on 2 cores),
+    built here once before any launch: no test's timeout includes the build, and no test's killed rank leaves the
+    build's lock behind for every later launch to wait on."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        builder.load(verbose=False)
+
+
 def read_metrics(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
