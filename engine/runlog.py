@@ -11,7 +11,6 @@ import sys
 import yaml
 
 from config import Config, to_dict
-from engine import figures
 
 
 def _record_step(line: str) -> float:
@@ -58,6 +57,8 @@ class RunLog:
         flush_logs += [self.metrics.flush, self.tb.flush]
         # what the run is, beside its scalars: the config and the checkpointing plan
         self.tb.add_text("config", "```\n" + yaml.safe_dump(to_dict(cfg), sort_keys=False) + "```", start_step)
+        from engine import figures  # matplotlib: on the writing rank only
+
         self.tb.add_figure("ac/plan", figures.ac_plan(ac_plan), start_step)
 
     def record(self, record: dict):
@@ -78,6 +79,8 @@ class RunLog:
             return
         self.bar.write(f"step {step}: val top-1 {result.top1:.2%} top-5 {result.top5:.2%}" + (
             f" | EMA top-1 {ema_result.top1:.2%} top-5 {ema_result.top5:.2%}" if ema_result else ""))
+        from engine import figures
+
         if result.shown is not None:
             self.tb.add_figure("val/predictions", figures.predictions(*result.shown, self.labels), step)
         self.tb.add_figure("val/confusion", figures.confusion(result.confusion.numpy(), self.labels), step)

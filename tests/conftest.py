@@ -1,9 +1,14 @@
-"""Shared fixtures: digits shards in a temp dir, a launcher for real multi-process runs, the debug run."""
+"""Shared fixtures: digits shards in a temp dir, launches of train.py as real processes (forked from a preloaded
+zygote, or under each launcher), the debug run."""
 import json
 import os
+import select
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 
 import pytest
 
@@ -34,33 +39,119 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(args, nproc=2, launcher="deepspeed", timeout=300, check=True, warnings=False, accelerate_config=None):
-    """Run train.py as real processes: `deepspeed`, `torchrun`, `accelerate` or plain `python` (1 rank).
-    `warnings`: leave Python's warnings on, as a user has them. `accelerate_config`: `accelerate launch
-    --config_file` with that file (its DeepSpeed plugin) instead of the plain torchrun path."""
+class Zygote:
+    """tests/zygote.py, started once per session: each rank of a `fork` launch is a fork of it (see there)."""
+
+    def __init__(self):
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1")
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            env.pop(key, None)
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="zygote-", suffix=".log")
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.zygote"], cwd=REPO, env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
+
+    def send(self, request: dict):
+        assert self.proc.poll() is None, f"the zygote ended:\n{open(self.log.name).read()[-3000:]}"
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+
+    def reply(self, timeout=None):
+        """The next reply, or None after `timeout` seconds without one (one reply per request, read in order)."""
+        if not select.select([self.proc.stdout], [], [], timeout)[0]:
+            return None
+        line = self.proc.stdout.readline()
+        assert line, f"the zygote ended:\n{open(self.log.name).read()[-3000:]}"
+        return json.loads(line)
+
+    def close(self):
+        self.proc.kill()
+        self.proc.wait()
+
+
+_zygote = None
+
+
+def fork_launch(args, nproc, env, timeout):
+    """`nproc` ranks forked from the zygote, with the variables torchrun sets (none for 1 rank, as under plain
+    `python train.py`). Like a launcher, a rank's failure ends the others (SIGTERM, then SIGKILL after 5 s); the
+    job's code is the first failing rank's. stdout and stderr: each rank's, in rank order."""
+    global _zygote
+    if _zygote is None or _zygote.proc.poll() is not None:
+        _zygote = Zygote()
+    port, logs = str(free_port()), tempfile.mkdtemp(prefix="forked-")
+    pids = []
+    for rank in range(nproc):
+        rank_env = env if nproc == 1 else dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                                              LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        _zygote.send({"fork": {"argv": [str(a) for a in args], "env": rank_env, "cwd": REPO,
+                               "stdout": f"{logs}/{rank}.out", "stderr": f"{logs}/{rank}.err"}})
+        pids.append(_zygote.reply()["pid"])
+    deadline, codes, failed, stopping, timed_out = time.monotonic() + timeout, {}, None, None, False
+    while len(codes) < nproc:
+        _zygote.send({"wait": True})
+        reply = None
+        while reply is None:
+            wait = deadline - time.monotonic() if stopping is None else stopping - time.monotonic()
+            reply = _zygote.reply(max(wait, 0.1))
+            if reply is None:  # past the timeout, or past the grace after a failure: end what is left
+                timed_out = timed_out or stopping is None
+                for pid in set(pids) - set(codes):
+                    os.kill(pid, signal.SIGKILL)
+        codes[reply["pid"]] = reply["code"]
+        if reply["code"] != 0 and failed is None:
+            failed, stopping = reply["code"], time.monotonic() + 5
+            for pid in set(pids) - set(codes):
+                os.kill(pid, signal.SIGTERM)
+    read = lambda kind: "".join(open(f"{logs}/{r}.{kind}").read() for r in range(nproc))  # noqa: E731
+    if timed_out:
+        raise subprocess.TimeoutExpired(["fork", *map(str, args)], timeout, read("out"), read("err"))
+    return subprocess.CompletedProcess(["fork", *map(str, args)], failed or 0, read("out"), read("err"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def zygote_ends():
+    yield
+    if _zygote is not None:
+        _zygote.close()
+
+
+def launch(args, nproc=2, launcher="fork", timeout=300, check=True, warnings=False, accelerate_config=None):
+    """Run train.py as real processes: `fork` (ranks forked from the preloaded zygote: train.py's code, not a
+    launcher's), `deepspeed`, `torchrun`, `accelerate` or plain `python` (1 rank). `warnings`: leave Python's
+    warnings on, as a user has them (a launcher's start; the zygote's are off). `accelerate_config`: `accelerate
+    launch --config_file` with that file (its DeepSpeed plugin) instead of the plain torchrun path."""
     port = str(free_port())
-    if accelerate_config:
-        cmd = [f"{BIN}/accelerate", "launch", "--config_file", accelerate_config, "--num_processes", str(nproc),
-               "--main_process_port", port, "train.py"]
-    elif launcher == "deepspeed":
-        cmd = [f"{BIN}/deepspeed", "--num_gpus", str(nproc), "--master_port", port, "train.py"]
-    elif launcher == "torchrun":
-        cmd = [f"{BIN}/torchrun", "--nproc_per_node", str(nproc), "--master_port", port, "train.py"]
-    elif launcher == "accelerate":  # --multi_gpu is its torchrun path; with --cpu it would start one process
-        cmd = [f"{BIN}/accelerate", "launch", "--multi_gpu", "--num_processes", str(nproc), "--num_machines", "1",
-               "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", port, "train.py"]
-    else:
-        cmd = [sys.executable, "train.py"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     if not warnings:
         env["PYTHONWARNINGS"] = "ignore"
     env.pop("RANK", None)
-    proc = subprocess.run(cmd + [str(a) for a in args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    proc.port = port
+    if launcher == "fork" and not accelerate_config:
+        assert not warnings, "the zygote's warnings are off: launch with a launcher to see them"
+        proc = fork_launch(args, nproc, env, timeout)
+        proc.port = None
+    else:
+        proc = subprocess.run(launcher_command(launcher, nproc, port, accelerate_config) + [str(a) for a in args],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        proc.port = port
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+        raise AssertionError(f"{' '.join(proc.args[:3])} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                             f"{proc.stderr[-4000:]}")
     return proc
+
+
+def launcher_command(launcher, nproc, port, accelerate_config=None):
+    if accelerate_config:
+        return [f"{BIN}/accelerate", "launch", "--config_file", accelerate_config, "--num_processes", str(nproc),
+                "--main_process_port", port, "train.py"]
+    if launcher == "deepspeed":
+        return [f"{BIN}/deepspeed", "--num_gpus", str(nproc), "--master_port", port, "train.py"]
+    if launcher == "torchrun":
+        return [f"{BIN}/torchrun", "--nproc_per_node", str(nproc), "--master_port", port, "train.py"]
+    if launcher == "accelerate":  # --multi_gpu is its torchrun path; with --cpu it would start one process
+        return [f"{BIN}/accelerate", "launch", "--multi_gpu", "--num_processes", str(nproc), "--num_machines", "1",
+                "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", port, "train.py"]
+    assert launcher == "python", launcher
+    return [sys.executable, "train.py"]
 
 
 def check_input(args, capsys, monkeypatch):

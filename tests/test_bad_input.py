@@ -112,7 +112,7 @@ def test_bad_input_fails_cleanly(case, debug_args, digits, tmp_path, capsys, mon
 def test_bad_input_found_after_the_process_group_fails_cleanly(case, debug_args, digits, tmp_path):
     make_args, message = CASES[case]
     out = tmp_path / "out"
-    proc = launch(debug_args + ["--output_dir", out] + make_args(tmp_path, digits), launcher="python", check=False,
+    proc = launch(debug_args + ["--output_dir", out] + make_args(tmp_path, digits), nproc=1, check=False,
                   timeout=60)
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -127,14 +127,15 @@ def test_existing_run_is_not_overwritten(debug_args, tmp_path):
     (out / "checkpoints").mkdir(parents=True)
     (out / "checkpoints" / "latest").write_text("step0000010")
     (out / "metrics.jsonl").write_text('{"step": 1}\n')
-    proc = launch(debug_args + ["--output_dir", out], launcher="python", check=False, timeout=60)
+    proc = launch(debug_args + ["--output_dir", out], nproc=1, check=False, timeout=60)
     assert proc.returncode == 2 and "already holds a run" in proc.stderr
     assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
 
 
 def test_two_rank_launch_fails_cleanly(debug_args, tmp_path):
     """Under the deepspeed launcher every rank stops; only rank 0 prints."""
-    proc = launch(debug_args + ["--output_dir", tmp_path / "out", "--model", "nope"], check=False, timeout=120)
+    proc = launch(debug_args + ["--output_dir", tmp_path / "out", "--model", "nope"], launcher="deepspeed", check=False,
+                  timeout=120)
     assert proc.returncode != 0
     assert proc.stderr.count("error: unknown model 'nope'") + proc.stdout.count("error: unknown model 'nope'") == 1
     assert not (tmp_path / "out").exists()
@@ -143,7 +144,7 @@ def test_two_rank_launch_fails_cleanly(debug_args, tmp_path):
 def test_warmup_past_the_run_is_one_warning(debug_args, tmp_path):
     """A run shorter than its warm-up trains (a short debug run may mean it) and says what the LR will do."""
     proc = launch(debug_args + ["--max_steps", "2", "--warmup_steps", "8", "--eval_every", "0", "--output_dir",
-                                tmp_path / "run"], launcher="python")
+                                tmp_path / "run"], nproc=1)
     warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning: ")]
     assert warnings == ["warning: warmup_steps 8 >= max_steps 2: the learning rate rises for the whole run and "
                         "peaks at 0.25 x lr"]

@@ -269,7 +269,7 @@ def test_offload_needs_a_gpu():
 
 def test_train_logs_the_plan_and_its_figures(debug_args, tmp_path):
     proc = launch(debug_args + ["--max_steps", "3", "--eval_every", "0", "--ac", "hierarchical", "--output_dir",
-                                tmp_path], launcher="python")
+                                tmp_path], nproc=1)
     assert "ac hierarchical:" in proc.stdout
     plan = json.loads((tmp_path / "ac_plan.json").read_text())
     assert [b["policy"] for b in plan["blocks"]] == ["full"] * 3 + ["selective"] * 3  # vit-digits: half of 6 alike blocks
@@ -286,7 +286,7 @@ def test_selective_composes_with_bf16_and_grad_accumulation(debug_args, tmp_path
     """Runs end to end (bf16 is slow on these CPUs; its speed and accuracy are GPU questions)."""
     launch(debug_args + ["--model", "vit-debug", "--max_steps", "2", "--eval_every", "0", "--micro_batch_size", "4",
                          "--grad_accum_steps", "2", "--precision", "bf16", "--ac", "selective", "--output_dir",
-                         tmp_path], launcher="python")
+                         tmp_path], nproc=1)
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == [1, 2] and all(r["loss"] == r["loss"] for r in records)  # no NaN
     assert json.loads((tmp_path / "ds_config.json").read_text())["bf16"]["enabled"] is True

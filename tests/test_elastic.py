@@ -34,7 +34,7 @@ def test_two_ranks_resume_on_one(stage_runs, debug_args, tmp_path, stage):
     before = fingerprint(ckpt)
     args = debug_args + ["--model", "vit-debug", "--zero_stage", stage, "--grad_accum_steps", 2, "--eval_every", 0,
                          "--save_every", 0, "--output_dir", tmp_path / "one", "--resume", ckpt]
-    proc = launch(args, launcher="python")
+    proc = launch(args, nproc=1)
     assert "checkpoint written by 2 ranks, this run has 1: converting it to DeepSpeed's universal format" in proc.stdout
     assert "at step 60" in proc.stdout and "data order restarts" not in proc.stdout
     assert "global batch 32 = 16 micro x 2 accum x 1 ranks" in proc.stdout
@@ -51,7 +51,7 @@ def test_one_rank_resumes_on_two(debug_args, tmp_path, stage):
     gives the 1-rank run's own next 10 losses."""
     args = debug_args + ["--model", "vit-debug", "--zero_stage", stage, "--max_steps", 20, "--eval_every", 0]
     one = tmp_path / "one"
-    launch(args + ["--grad_accum_steps", 2, "--save_every", 10, "--output_dir", one], launcher="python")
+    launch(args + ["--grad_accum_steps", 2, "--save_every", 10, "--output_dir", one], nproc=1)
     two = tmp_path / "two"
     proc = launch(args + ["--save_every", 0, "--output_dir", two, "--resume", one / "checkpoints" / "step0000010"])
     assert "checkpoint written by 1 ranks, this run has 2" in proc.stdout

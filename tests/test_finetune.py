@@ -159,6 +159,6 @@ def test_ema_is_sharded_and_reassembles_on_another_world_size(ema_run, tmp_path)
     whole = {n: torch.cat([files[0][n][0], files[1][n][0]])[:shapes[n].numel()].view(shapes[n]) for n in shapes}
     one = tmp_path / "one-rank"
     launch(args + ["--max_steps", "3", "--output_dir", one, "--resume",
-                   os.path.join(out, "checkpoints", "step0000003")], launcher="python")
+                   os.path.join(out, "checkpoints", "step0000003")], nproc=1)
     exported = build_model(str(one / "hf_model"), 10, 16)[0].state_dict()
     assert all(torch.equal(exported[n], whole[n]) for n in shapes)

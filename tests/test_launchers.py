@@ -78,7 +78,7 @@ def test_plain_python_one_rank(debug_args, tmp_path):
 def test_bf16_trains_on_cpu(debug_args, tmp_path):
     """The bf16 path runs end to end (slowly: no AVX-512 BF16 here); its speed is measured on GPUs."""
     launch(debug_args + ["--max_steps", "3", "--eval_every", "0", "--micro_batch_size", "4", "--precision", "bf16",
-                         "--output_dir", tmp_path / "run"], launcher="python")
+                         "--output_dir", tmp_path / "run"], nproc=1)
     records = read_metrics(tmp_path / "run")
     assert len(records) == 3 and all(np.isfinite(r["loss"]) for r in records)
     import json
@@ -92,7 +92,7 @@ def test_grad_accumulation_on_one_rank_matches_two_ranks(stage_runs, debug_args,
     docs/data.md), the same mean loss and update up to fp32 summation order. The first 8 steps are inside the
     10-step warm-up, whose LR does not depend on max_steps."""
     proc = launch(debug_args + ["--model", "vit-debug", "--zero_stage", "2", "--max_steps", "8", "--eval_every", "0",
-                                "--grad_accum_steps", "2", "--output_dir", tmp_path / "acc"], launcher="python")
+                                "--grad_accum_steps", "2", "--output_dir", tmp_path / "acc"], nproc=1)
     assert "global batch 32 = 16 micro x 2 accum x 1 ranks" in proc.stdout
     two = read_metrics(stage_runs["vit-debug", 2])[:8]
     acc = read_metrics(tmp_path / "acc")

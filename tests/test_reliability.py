@@ -146,7 +146,7 @@ def test_second_signal_exits_at_once_and_grace_bounds_the_wait(debug_args, tmp_p
 
 def test_a_checkpoint_the_disk_cannot_hold_is_skipped_and_training_goes_on(debug_args, tmp_path):
     proc = launch(debug_args + ["--model", "vit-debug", "--max_steps", 4, "--save_every", 2, "--eval_every", 0,
-                                "--min_free_gb", 1e9, "--output_dir", tmp_path / "run"], launcher="python")
+                                "--min_free_gb", 1e9, "--output_dir", tmp_path / "run"], nproc=1)
     warnings = [line for line in proc.stdout.splitlines() if line.startswith("warning: checkpoint")]
     assert len(warnings) == 2 and "step0000002 not written: it needs about" in warnings[0]
     assert "of which 1e+09 GiB are kept free (min_free_gb); training goes on" in warnings[0]

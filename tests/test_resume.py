@@ -39,8 +39,8 @@ def test_resume_continues_exactly(debug_args, tmp_path):
 
 def test_changed_data_layout_restarts_the_data_order_and_says_so(debug_args, tmp_path):
     args = debug_args + ["--model", "vit-debug", "--max_steps", "4", "--save_every", "2", "--eval_every", "0"]
-    launch(args + ["--output_dir", tmp_path / "a"], launcher="python")
+    launch(args + ["--output_dir", tmp_path / "a"], nproc=1)
     proc = launch(args + ["--output_dir", tmp_path / "b", "--resume", tmp_path / "a" / "checkpoints" / "step0000002",
-                          "--num_workers", "2"], launcher="python")
+                          "--num_workers", "2"], nproc=1)
     assert "data order restarts (the 1 data streams per rank do not split over 2 workers" in proc.stdout
     assert [r["step"] for r in read_metrics(tmp_path / "b")] == [3, 4]
