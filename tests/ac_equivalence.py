@@ -1,6 +1,8 @@
-"""Run by tests/test_checkpointing.py under `deepspeed --num_gpus 2`: every AC policy against `none`.
+"""Run by tests/test_checkpointing.py on 2 ranks: every AC policy against `none`.
 
     deepspeed --num_gpus 2 --module tests.ac_equivalence ZERO_STAGE OUT.json
+
+(the tests fork its ranks from the zygote instead: conftest.fork_launch with module="tests.ac_equivalence").
 
 For vit-debug and swin-debug, each policy trains 4 steps from the same seed on the same per-rank batches
 under the given ZeRO stage, through train.py's own `build_engine`; rank 0 writes the losses and a digest of
@@ -23,86 +25,91 @@ from engine.optim import param_groups
 from engine.parallelize import build_engine, build_training_model, engine_config
 from models import build_model
 
-stage, out = [int(a) if a.isdigit() else a for a in sys.argv[1:] if not a.startswith("--local_rank")]
-deepspeed.init_distributed()
-rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-torch.distributed.barrier()
-results = {"compat": {"shm_released": compat.release_deepspeed_shm(rank)}}
-for name in ("vit-debug", "swin-debug"):
-    torch.manual_seed(0)
-    probe, _ = build_model(name, 10, 16)
-    prof = profile_blocks(probe, torch.randn(8, 3, 16, 16))
-    # stochastic depth on: every policy must replay its random draws exactly
-    cfg = Config(zero_stage=stage, micro_batch_size=8, lr=1e-3, warmup_steps=1, max_steps=4, weight_decay=0.05,
-                 drop_path=0.1)
-    precision, ds = engine_config(cfg, probe.config.hidden_size, world)
-    fixed = zero_memory_bytes(sum(p.numel() for p in probe.parameters()), stage, world, precision, ds)
-    lowest, highest = (activation_peak(prof, [how] * len(prof)) for how in ("full", "none"))
-    mid = max(fixed["backward"] + prof.bytes_outside + (lowest + highest) / 2, fixed["optimizer_step"]) / 2**30
-    cfg.model = name
-    for ac in ("none", "full", "every_n:2", "selective", "hierarchical", f"auto:{mid:.9f}"):
-        torch.manual_seed(0)
-        model, _ = build_training_model(cfg, ds)  # under ZeRO-3, partitioned as it is built
-        if stage == 3 and ac == "none":  # the seed alone sets the weights: partitioned equals whole, bitwise
-            params = list(model.parameters())
-            whole_model = build_model(name, 10, 16, seed=cfg.seed)[0]
-            with deepspeed.zero.GatheredParameters(params):
-                whole = dict(whole_model.named_parameters())
-                results["compat"][f"{name}_init_equal"] = all(p.equal(whole[n]) for n, p in model.named_parameters())
-            # AdamW's groups read the shape as defined, not the partition's
-            results["compat"][f"{name}_decay_groups"] = [[len(g["params"]) for g in param_groups(m, 0.05)]
-                                                         for m in (model, whole_model)]
-        cfg.ac = ac
-        built = build_engine(model, cfg, world, "cpu", log=lambda *a: None)  # train.py's own wrapping
-        engine, plan = built.engine, built.ac_plan
-        if stage == 3:
-            results["compat"]["zero3_linear_replaced"] = torch.nn.functional.linear is compat._zero3_linear
-        torch.manual_seed(1)  # once: drop path draws the same numbers whatever the policy
-        losses = []
-        # ZeRO-1/2 (vit-debug, `none`): the last step's collectives, through DeepSpeed's own comms logger
-        logged = stage in (1, 2) and name == "vit-debug" and ac == "none"
-        for step in range(4):
-            g = torch.Generator().manual_seed(100 * step + rank)
-            x, y = torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
-            if logged and step == 3:
-                deepspeed.comm.configure(enabled=True, prof_all=True)
-            # every step's forward and backward counted (recompute included); the last step's counter is kept
-            with compat.flop_counter() as counter:
-                loss = F.cross_entropy(engine(x).logits, y)
-                engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-        if logged:  # {collective: bytes of its tensor argument, summed over its calls}
-            deepspeed.comm.configure(enabled=False)
-            raw = deepspeed.comm.comm.comms_logger.get_raw_data()
-            results["compat"]["zero_collectives"] = {
-                "params": sum(p.numel() for p in engine.module.parameters()), "zero": ds["zero_optimization"],
-                "bytes": {op: sum(size * v[0] for size, v in sizes.items()) for op, sizes in raw.items()}}
-        params = list(engine.module.parameters())
-        with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
-            flat = torch.cat([p.detach().flatten() for p in params]).double()
-        results[f"{name}|{ac.split(':')[0]}"] = {"losses": losses, "weights": flat.tolist()[:2000],
-                                                 "weights_sum": flat.sum().item(),
-                                                 "policies": [b["policy"] for b in plan["blocks"]],
-                                                 "flops": counter.get_total_flops(),
-                                                 "recompute_flops_planned": plan["recompute_matmul_flops"]}
-        engine.destroy()
-if stage == 3:  # a local Hugging Face directory loads into ZeRO-3 partitions and computes what it does whole
-    hf_dir = out + ".hf"
-    if rank == 0:
-        build_model("vit-debug", 10, 16, seed=3)[0].save_pretrained(hf_dir)
+def main(argv):
+    stage, out = [int(a) if a.isdigit() else a for a in argv if not a.startswith("--local_rank")]
+    deepspeed.init_distributed()
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     torch.distributed.barrier()
-    cfg = Config(model=hf_dir, zero_stage=3, micro_batch_size=8)
-    model, _ = build_training_model(cfg, engine_config(cfg, 32, world)[1])
-    results["compat"]["local_dir_partitioned"] = all(compat.is_zero3_partitioned(p) for p in model.parameters())
-    engine = build_engine(model, cfg, world, "cpu", log=lambda *a: None).engine
-    engine.eval()
-    images = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(7))
-    with torch.no_grad():
-        logits = engine(images).logits
-        whole = build_model(hf_dir, 10, 16)[0].eval()(images).logits
-    results["compat"]["local_dir_max_rel_diff"] = ((logits - whole).abs().max() / whole.abs().max()).item()
-if rank == 0:
-    with open(out, "w") as f:
-        json.dump(results, f)
-exit_distributed(0)  # the result is written and closed; avoids gloo's abort at interpreter exit
+    results = {"compat": {"shm_released": compat.release_deepspeed_shm(rank)}}
+    for name in ("vit-debug", "swin-debug"):
+        torch.manual_seed(0)
+        probe, _ = build_model(name, 10, 16)
+        prof = profile_blocks(probe, torch.randn(8, 3, 16, 16))
+        # stochastic depth on: every policy must replay its random draws exactly
+        cfg = Config(zero_stage=stage, micro_batch_size=8, lr=1e-3, warmup_steps=1, max_steps=4, weight_decay=0.05,
+                     drop_path=0.1)
+        precision, ds = engine_config(cfg, probe.config.hidden_size, world)
+        fixed = zero_memory_bytes(sum(p.numel() for p in probe.parameters()), stage, world, precision, ds)
+        lowest, highest = (activation_peak(prof, [how] * len(prof)) for how in ("full", "none"))
+        mid = max(fixed["backward"] + prof.bytes_outside + (lowest + highest) / 2, fixed["optimizer_step"]) / 2**30
+        cfg.model = name
+        for ac in ("none", "full", "every_n:2", "selective", "hierarchical", f"auto:{mid:.9f}"):
+            torch.manual_seed(0)
+            model, _ = build_training_model(cfg, ds)  # under ZeRO-3, partitioned as it is built
+            if stage == 3 and ac == "none":  # the seed alone sets the weights: partitioned equals whole, bitwise
+                params = list(model.parameters())
+                whole_model = build_model(name, 10, 16, seed=cfg.seed)[0]
+                with deepspeed.zero.GatheredParameters(params):
+                    whole = dict(whole_model.named_parameters())
+                    results["compat"][f"{name}_init_equal"] = all(p.equal(whole[n]) for n, p in model.named_parameters())
+                # AdamW's groups read the shape as defined, not the partition's
+                results["compat"][f"{name}_decay_groups"] = [[len(g["params"]) for g in param_groups(m, 0.05)]
+                                                             for m in (model, whole_model)]
+            cfg.ac = ac
+            built = build_engine(model, cfg, world, "cpu", log=lambda *a: None)  # train.py's own wrapping
+            engine, plan = built.engine, built.ac_plan
+            if stage == 3:
+                results["compat"]["zero3_linear_replaced"] = torch.nn.functional.linear is compat._zero3_linear
+            torch.manual_seed(1)  # once: drop path draws the same numbers whatever the policy
+            losses = []
+            # ZeRO-1/2 (vit-debug, `none`): the last step's collectives, through DeepSpeed's own comms logger
+            logged = stage in (1, 2) and name == "vit-debug" and ac == "none"
+            for step in range(4):
+                g = torch.Generator().manual_seed(100 * step + rank)
+                x, y = torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
+                if logged and step == 3:
+                    deepspeed.comm.configure(enabled=True, prof_all=True)
+                # every step's forward and backward counted (recompute included); the last step's counter is kept
+                with compat.flop_counter() as counter:
+                    loss = F.cross_entropy(engine(x).logits, y)
+                    engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            if logged:  # {collective: bytes of its tensor argument, summed over its calls}
+                deepspeed.comm.configure(enabled=False)
+                raw = deepspeed.comm.comm.comms_logger.get_raw_data()
+                results["compat"]["zero_collectives"] = {
+                    "params": sum(p.numel() for p in engine.module.parameters()), "zero": ds["zero_optimization"],
+                    "bytes": {op: sum(size * v[0] for size, v in sizes.items()) for op, sizes in raw.items()}}
+            params = list(engine.module.parameters())
+            with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
+                flat = torch.cat([p.detach().flatten() for p in params]).double()
+            results[f"{name}|{ac.split(':')[0]}"] = {"losses": losses, "weights": flat.tolist()[:2000],
+                                                     "weights_sum": flat.sum().item(),
+                                                     "policies": [b["policy"] for b in plan["blocks"]],
+                                                     "flops": counter.get_total_flops(),
+                                                     "recompute_flops_planned": plan["recompute_matmul_flops"]}
+            engine.destroy()
+    if stage == 3:  # a local Hugging Face directory loads into ZeRO-3 partitions and computes what it does whole
+        hf_dir = out + ".hf"
+        if rank == 0:
+            build_model("vit-debug", 10, 16, seed=3)[0].save_pretrained(hf_dir)
+        torch.distributed.barrier()
+        cfg = Config(model=hf_dir, zero_stage=3, micro_batch_size=8)
+        model, _ = build_training_model(cfg, engine_config(cfg, 32, world)[1])
+        results["compat"]["local_dir_partitioned"] = all(compat.is_zero3_partitioned(p) for p in model.parameters())
+        engine = build_engine(model, cfg, world, "cpu", log=lambda *a: None).engine
+        engine.eval()
+        images = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(7))
+        with torch.no_grad():
+            logits = engine(images).logits
+            whole = build_model(hf_dir, 10, 16)[0].eval()(images).logits
+        results["compat"]["local_dir_max_rel_diff"] = ((logits - whole).abs().max() / whole.abs().max()).item()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    exit_distributed(0)  # the result is written and closed; avoids gloo's abort at interpreter exit
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -71,9 +71,9 @@ class Zygote:
 _zygote = None
 
 
-def fork_launch(args, nproc, env, timeout):
-    """`nproc` ranks forked from the zygote, with the variables torchrun sets (none for 1 rank, as under plain
-    `python train.py`). Like a launcher, a rank's failure ends the others (SIGTERM, then SIGKILL after 5 s); the
+def fork_launch(args, nproc, env, timeout, module="train"):
+    """`nproc` ranks of `module` (its `main(args)`) forked from the zygote, with the variables DeepSpeed's launcher
+    sets (none for 1 rank, as under plain `python train.py`). Like a launcher, a rank's failure ends the others (SIGTERM, then SIGKILL after 5 s); the
     job's code is the first failing rank's. stdout and stderr: each rank's, in rank order."""
     global _zygote
     if _zygote is None or _zygote.proc.poll() is not None:
@@ -82,8 +82,9 @@ def fork_launch(args, nproc, env, timeout):
     pids = []
     for rank in range(nproc):
         rank_env = env if nproc == 1 else dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                                              LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        _zygote.send({"fork": {"argv": [str(a) for a in args], "env": rank_env, "cwd": REPO,
+                                              LOCAL_SIZE=str(nproc), CROSS_RANK="0", CROSS_SIZE="1",
+                                              MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        _zygote.send({"fork": {"module": module, "argv": [str(a) for a in args], "env": rank_env, "cwd": REPO,
                                "stdout": f"{logs}/{rank}.out", "stderr": f"{logs}/{rank}.err"}})
         pids.append(_zygote.reply()["pid"])
     deadline, codes, failed, stopping, timed_out = time.monotonic() + timeout, {}, None, None, False

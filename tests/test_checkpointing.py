@@ -2,14 +2,13 @@
 import copy
 import json
 import os
-import subprocess
 
 import pytest
 import torch
 from ac.budget import activation_peak, default_hierarchical_k, plan_for_budget
 from ac.policies import apply_activation_checkpointing, parse_policy
 from ac.profile import PROFILE_BATCH, BlockProfile, profile_blocks
-from conftest import BIN, REPO, free_port, launch, read_metrics
+from conftest import fork_launch, launch, read_metrics
 from config import ConfigError
 from models import build_model, find_blocks
 from engine.memory import allocation_curve, measure_activation_bytes, memory_trace, trace_events
@@ -23,9 +22,7 @@ def test_every_policy_matches_none_bitwise_under_zero(stage, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1")
     # PYTHONFAULTHANDLER: a rank that dies in C++ still prints its Python stack (how the exit abort that
     # `exit_distributed` fixes was found)
-    proc = subprocess.run([f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", str(free_port()),
-                           "--module", "tests.ac_equivalence", str(stage), str(out)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = fork_launch([stage, out], 2, env, timeout=300, module="tests.ac_equivalence")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())
     compat_found = results.pop("compat")  # tests/test_compat.py's share of this run

@@ -4,13 +4,12 @@ Slurm's variables; ZeRO++'s hierarchical partitioning within a node; a master th
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import BIN, REPO, free_port, launch, read_metrics
+from conftest import BIN, REPO, fork_launch, free_port, launch, read_metrics
 
 from launch import slurm_env
 
@@ -25,9 +24,9 @@ def node_args(debug_args):
 
 @pytest.fixture(scope="module")
 def one_node(node_args, tmp_path_factory):
-    """The reference: one launcher, two ranks."""
+    """The reference: one node of two ranks."""
     out = tmp_path_factory.mktemp("one-node")
-    launch(node_args + ["--output_dir", out], launcher="torchrun")
+    launch(node_args + ["--output_dir", out])
     return [r["loss"] for r in read_metrics(out)]
 
 
@@ -133,15 +132,14 @@ def test_unreachable_master_is_one_error_within_the_timeout(debug_args, tmp_path
     """Node 1 of 2 started against a master address where nothing listens: one line naming the address and port,
     within dist_timeout (plus the interpreter's start), exit 2. So is node 0 when no other node joins."""
     port = free_port()  # bound and released: nothing listens there
-    args = [sys.executable, "train.py", *map(str, debug_args), "--max_steps", "2", "--dist_timeout", "4"]
+    args = [*map(str, debug_args), "--max_steps", "2", "--dist_timeout", "4"]
     for rank, message in ((1, f"error: rank 1 cannot reach the master at 127.0.0.1:{port} within 4 s (dist_timeout)"),
                           (0, f"error: rank 0 could not form the process group through the master at "
                               f"127.0.0.1:{port} within 4 s (dist_timeout)")):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         start = time.monotonic()
-        proc = subprocess.run(args + ["--output_dir", str(tmp_path / f"rank{rank}")], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=120)
+        proc = fork_launch(args + ["--output_dir", str(tmp_path / f"rank{rank}")], 1, env, timeout=120)
         elapsed = time.monotonic() - start
         assert proc.returncode == 2, proc.stderr[-2000:]
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]

@@ -6,7 +6,8 @@ of a fresh `python train.py` after its imports.
 
     python -m tests.zygote      # requests and replies are JSON lines on stdin and stdout
 
-{"fork": {"argv", "env", "cwd", "stdout", "stderr"}} -> {"pid"}: a rank, its output in those two files.
+{"fork": {"module", "argv", "env", "cwd", "stdout", "stderr"}} -> {"pid"}: a rank running `module.main(argv)`
+(train.py's, or another entry with a `main`), its output in those two files.
 {"wait": true} -> {"pid", "code"}: the next rank to end, and its exit code (-N: killed by signal N).
 """
 import importlib
@@ -20,17 +21,18 @@ PRELOAD = ("train", "deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer", "
 
 
 def rank(request: dict):
-    """The forked child: become the rank the request describes, run train.py's main, exit with its code."""
+    """The forked child: become the rank the request describes, run its module's main, exit with its code."""
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
     for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    sys.argv = ["train.py", *request["argv"]]
+    module = importlib.import_module(request["module"])
+    sys.argv = [module.__file__, *request["argv"]]
     code = 0
     try:
-        sys.modules["train"].main(request["argv"])
+        module.main(request["argv"])
     except SystemExit as e:  # as the interpreter treats it: None is 0, a message is printed and is 1
         if isinstance(e.code, int) or e.code is None:
             code = e.code or 0
