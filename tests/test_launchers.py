@@ -26,6 +26,7 @@ def test_torchrun_matches_deepspeed_launcher(debug_args, tmp_path):
     np.testing.assert_array_equal(ds, tr)
 
 
+@pytest.mark.slow  # the same command trains to the end in tests/test_fault_injection.py's sigterm case
 def test_accelerate_launch_two_ranks(debug_args, tmp_path):
     proc = launch(debug_args + ["--max_steps", "5", "--eval_every", "0", "--output_dir", tmp_path / "run"],
                   launcher="accelerate")

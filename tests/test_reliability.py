@@ -83,7 +83,9 @@ def test_kill_9_mid_run_resumes_exactly(stage_runs, debug_args, tmp_path, victim
     assert kept == sorted({"step0000100", "step0000120", f"step{best:07d}"})
 
 
-@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
+# torchrun's agent passes SIGTERM on as `accelerate launch --multi_gpu` (the same agent) does in
+# tests/test_fault_injection.py's sigterm case
+@pytest.mark.parametrize("launcher", ["deepspeed", pytest.param("torchrun", marks=pytest.mark.slow)])
 def test_sigterm_finishes_the_step_checkpoints_and_resumes_exactly(stage_runs, debug_args, tmp_path, launcher):
     """SIGTERM to every process of the job, as Slurm's scancel and Kubernetes send it (the launcher passes it on
     to the ranks as well: the same request twice): the ranks finish their step, write a checkpoint of it together
