@@ -19,8 +19,8 @@ BIN = os.path.dirname(sys.executable)
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 # The one tiny configuration every integration test trains (torchtitan's "debug model").
-DEBUG_ARGS = ["--image_size", "16", "--micro_batch_size", "16", "--max_steps", "120", "--warmup_steps", "10",
-              "--lr", "3e-3", "--eval_every", "60", "--save_every", "60", "--num_workers", "0",
+DEBUG_ARGS = ["--image_size", "16", "--micro_batch_size", "16", "--max_steps", "60", "--warmup_steps", "10",
+              "--lr", "3e-3", "--eval_every", "30", "--save_every", "30", "--num_workers", "0",
               "--shuffle_buffer", "200", "--progress", "false"]
 
 
@@ -73,8 +73,9 @@ _zygote = None
 
 def fork_launch(args, nproc, env, timeout, module="train"):
     """`nproc` ranks of `module` (its `main(args)`) forked from the zygote, with the variables DeepSpeed's launcher
-    sets (none for 1 rank, as under plain `python train.py`). Like a launcher, a rank's failure ends the others (SIGTERM, then SIGKILL after 5 s); the
-    job's code is the first failing rank's. stdout and stderr: each rank's, in rank order."""
+    sets (none for 1 rank, as under plain `python train.py`). Like a launcher, a rank's failure ends the others
+    (SIGTERM, then SIGKILL after 5 s); the job's code is the first failing rank's. stdout and stderr: each rank's,
+    in rank order."""
     global _zygote
     if _zygote is None or _zygote.proc.poll() is not None:
         _zygote = Zygote()
@@ -227,7 +228,7 @@ MODELS, STAGES = ("vit-debug", "swin-debug"), (1, 2, 3)
 
 @pytest.fixture(scope="session")
 def stage_runs(debug_args, tmp_path_factory):
-    """The debug run of each model under ZeRO 1, 2 and 3 on 2 ranks: 120 steps, checkpoints at 60 and 120."""
+    """The debug run of each model under ZeRO 1, 2 and 3 on 2 ranks: 60 steps, checkpoints at 30 and 60."""
     root = tmp_path_factory.mktemp("stages")
     runs = {}
     for model in MODELS:

@@ -20,7 +20,7 @@ def logits(model_dir, images):
 def test_checkpoint_exports_to_the_live_models_logits(stage_runs, tmp_path, stage):
     run = stage_runs["vit-debug", stage]
     out = tmp_path / "exported"
-    proc = subprocess.run([sys.executable, "export.py", f"{run}/checkpoints/step0000120", str(out)], cwd=REPO,
+    proc = subprocess.run([sys.executable, "export.py", f"{run}/checkpoints/step0000060", str(out)], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"to {out}" in proc.stdout and not (tmp_path / "exported.partial").exists()
@@ -33,6 +33,6 @@ def test_checkpoint_exports_to_the_live_models_logits(stage_runs, tmp_path, stag
     classify = pipeline("image-classification", model=str(out))
     assert len(classify(Image.new("RGB", (16, 16)), top_k=3)) == 3
 
-    again = subprocess.run([sys.executable, "export.py", f"{run}/checkpoints/step0000120", str(out)], cwd=REPO,
+    again = subprocess.run([sys.executable, "export.py", f"{run}/checkpoints/step0000060", str(out)], cwd=REPO,
                            capture_output=True, text=True, timeout=60)
     assert again.returncode == 2 and again.stderr.strip().endswith("exists: choose a new directory")

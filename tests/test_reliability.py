@@ -46,41 +46,41 @@ def steps_logged(run_dir):
 @pytest.mark.parametrize("victim", ["job", "rank 1"])
 def test_kill_9_mid_run_resumes_exactly(stage_runs, debug_args, tmp_path, victim):
     """kill -9 of the whole job, or of rank 1 alone (DeepSpeed's launcher then ends the job: it signals rank 0,
-    which cannot finish its step without rank 1 and exits after its 2 s grace), after the step-40 checkpoint; an
+    which cannot finish its step without rank 1 and exits after its 2 s grace), after the step-20 checkpoint; an
     interrupted save (a .partial directory) and a metrics line cut mid-write are left behind as a kill leaves
-    them. The relaunch removes the first, drops the second, resumes from step 40 and reproduces the reference's
+    them. The relaunch removes the first, drops the second, resumes from step 20 and reproduces the reference's
     losses bitwise; keep_last 2 + keep_best prune."""
     import psutil
 
     run = tmp_path / "run"
-    args = debug_args + ["--model", "vit-debug", "--zero_stage", 2, "--save_every", 20, "--keep_last", 2,
+    args = debug_args + ["--model", "vit-debug", "--zero_stage", 2, "--save_every", 10, "--keep_last", 2,
                          "--preempt_grace", 2, "--output_dir", run]
     proc = start(args)
-    wait_for(lambda: (run / "checkpoints" / "step0000040" / "train_state.json").exists(), proc)
+    wait_for(lambda: (run / "checkpoints" / "step0000020" / "train_state.json").exists(), proc)
     if victim == "job":
         os.killpg(proc.pid, signal.SIGKILL)
     else:
         next(p for p in psutil.Process(proc.pid).children(recursive=True) if "--local_rank=1" in p.cmdline()).kill()
     out = proc.communicate(timeout=90)[0]
     assert proc.returncode != 0, out[-3000:]
-    assert not (run / "checkpoints" / "step0000060").exists()  # no complete checkpoint after the kill
+    assert not (run / "checkpoints" / "step0000030").exists()  # no complete checkpoint after the kill
     ckpts = run / "checkpoints"
-    (ckpts / "step0000060.partial").mkdir(exist_ok=True)  # what a kill mid-save leaves
-    (ckpts / "step0000060.partial" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"cut")
+    (ckpts / "step0000030.partial").mkdir(exist_ok=True)  # what a kill mid-save leaves
+    (ckpts / "step0000030.partial" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"cut")
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"step": 99, "lo')  # a record cut mid-write
     proc = launch(args + ["--resume", "latest"])
-    assert "removed step0000060.partial, left by an interrupted save" in proc.stdout
-    assert "at step 40" in proc.stdout
+    assert "removed step0000030.partial, left by an interrupted save" in proc.stdout
+    assert "at step 20" in proc.stdout
     records = read_metrics(run)
-    assert [r["step"] for r in records] == list(range(1, 121))
+    assert [r["step"] for r in records] == list(range(1, 61))
     reference = read_metrics(stage_runs["vit-debug", 2])
-    assert [r["loss"] for r in records[40:]] == [r["loss"] for r in reference[40:]]
-    # steps 100 and 120 are the newest two; 60 has the best val top-1 of the evaluated saves (60, 120) unless 120
-    # is better, and then only two remain
+    assert [r["loss"] for r in records[20:]] == [r["loss"] for r in reference[20:]]
+    # steps 50 and 60 are the newest two; 30 has the best val top-1 of the evaluated saves (30, 60) unless 60 is
+    # better, and then only two remain
     kept = sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step"))
     best = max((r["val_top1"], r["step"]) for r in records if "val_top1" in r)[1]
-    assert kept == sorted({"step0000100", "step0000120", f"step{best:07d}"})
+    assert kept == sorted({"step0000050", "step0000060", f"step{best:07d}"})
 
 
 # torchrun's agent passes SIGTERM on as `accelerate launch --multi_gpu` (the same agent) does in
@@ -100,11 +100,11 @@ def test_sigterm_finishes_the_step_checkpoints_and_resumes_exactly(stage_runs, d
     line = next((line for line in out.splitlines() if line.startswith("preempted (SIGTERM) after step")), out[-3000:])
     step = int(line.split("after step ")[1].split(":")[0])
     assert f"checkpoint step{step:07d} written; continue with --resume latest" in line
-    assert 12 <= step < 120
+    assert 12 <= step < 60
     proc = launch(args + ["--resume", "latest"])
     assert f"at step {step}" in proc.stdout and "data order restarts" not in proc.stdout
     records = read_metrics(run)
-    assert [r["step"] for r in records] == list(range(1, 121))
+    assert [r["step"] for r in records] == list(range(1, 61))
     reference = read_metrics(stage_runs["vit-debug", 3])
     np.testing.assert_array_equal([r["loss"] for r in records], [r["loss"] for r in reference])
 
