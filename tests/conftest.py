@@ -189,7 +189,7 @@ def run_plan(*args) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="session", autouse=True)
 def deepspeed_ops():
-    """DeepSpeed's CPU shared-memory all-reduce, which it JIT-builds on first use (a minute or two on 2 cores),
+    """DeepSpeed's CPU shared-memory all-reduce, which it JIT-builds on first use,
     built here once before any launch: no test's timeout includes the build, and no test's killed rank leaves the
     build's lock behind for every later launch to wait on."""
     import torch
