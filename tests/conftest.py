@@ -122,7 +122,6 @@ def launch(args, nproc=2, launcher="fork", timeout=300, check=True, warnings=Fal
     launcher's), `deepspeed`, `torchrun`, `accelerate` or plain `python` (1 rank). `warnings`: leave Python's
     warnings on, as a user has them (a launcher's start; the zygote's are off). `accelerate_config`: `accelerate
     launch --config_file` with that file (its DeepSpeed plugin) instead of the plain torchrun path."""
-    port = str(free_port())
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     if not warnings:
         env["PYTHONWARNINGS"] = "ignore"
@@ -132,6 +131,7 @@ def launch(args, nproc=2, launcher="fork", timeout=300, check=True, warnings=Fal
         proc = fork_launch(args, nproc, env, timeout)
         proc.port = None
     else:
+        port = str(free_port())
         proc = subprocess.run(launcher_command(launcher, nproc, port, accelerate_config) + [str(a) for a in args],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
         proc.port = port

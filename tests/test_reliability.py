@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import BIN, REPO, free_port, launch, read_metrics, with_faults
+from conftest import BIN, REPO, free_port, launch, launcher_command, read_metrics, with_faults
 
 from engine.preemption import DUPLICATE_WINDOW_S, EXIT_GRACE_EXPIRED, EXIT_PREEMPTED
 from train import EXIT_COLLECTIVE, EXIT_NONFINITE
@@ -21,9 +21,7 @@ def start(args, launcher="deepspeed"):
     """A 2-rank job in its own process group, as a scheduler would see it."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env.pop("RANK", None)
-    port = str(free_port())
-    cmd = ([f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", port] if launcher == "deepspeed" else
-           [f"{BIN}/torchrun", "--nproc_per_node", "2", "--master_port", port]) + ["train.py", *map(str, args)]
+    cmd = launcher_command(launcher, 2, str(free_port())) + [str(a) for a in args]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
