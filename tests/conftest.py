@@ -71,43 +71,93 @@ class Zygote:
 _zygote = None
 
 
-def fork_launch(args, nproc, env, timeout, module="train"):
+class ForkedJob:
     """`nproc` ranks of `module` (its `main(args)`) forked from the zygote, with the variables DeepSpeed's launcher
-    sets (none for 1 rank, as under plain `python train.py`). Like a launcher, a rank's failure ends the others
-    (SIGTERM, then SIGKILL after 5 s); the job's code is the first failing rank's. stdout and stderr: each rank's,
-    in rank order."""
-    global _zygote
-    if _zygote is None or _zygote.proc.poll() is not None:
-        _zygote = Zygote()
-    port, logs = str(free_port()), tempfile.mkdtemp(prefix="forked-")
-    pids = []
-    for rank in range(nproc):
-        rank_env = env if nproc == 1 else dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                                              LOCAL_SIZE=str(nproc), CROSS_RANK="0", CROSS_SIZE="1",
-                                              MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        _zygote.send({"fork": {"module": module, "argv": [str(a) for a in args], "env": rank_env, "cwd": REPO,
-                               "stdout": f"{logs}/{rank}.out", "stderr": f"{logs}/{rank}.err"}})
-        pids.append(_zygote.reply()["pid"])
-    deadline, codes, failed, stopping, timed_out = time.monotonic() + timeout, {}, None, None, False
-    while len(codes) < nproc:
-        _zygote.send({"wait": True})
-        reply = None
-        while reply is None:
-            wait = deadline - time.monotonic() if stopping is None else stopping - time.monotonic()
-            reply = _zygote.reply(max(wait, 0.1))
-            if reply is None:  # past the timeout, or past the grace after a failure: end what is left
-                timed_out = timed_out or stopping is None
-                for pid in set(pids) - set(codes):
-                    os.kill(pid, signal.SIGKILL)
-        codes[reply["pid"]] = reply["code"]
-        if reply["code"] != 0 and failed is None:
-            failed, stopping = reply["code"], time.monotonic() + 5
-            for pid in set(pids) - set(codes):
-                os.kill(pid, signal.SIGTERM)
-    read = lambda kind: "".join(open(f"{logs}/{r}.{kind}").read() for r in range(nproc))  # noqa: E731
-    if timed_out:
-        raise subprocess.TimeoutExpired(["fork", *map(str, args)], timeout, read("out"), read("err"))
-    return subprocess.CompletedProcess(["fork", *map(str, args)], failed or 0, read("out"), read("err"))
+    sets (none for 1 rank, as under plain `python train.py`), in one process group whose id is `pid` (a launcher's
+    job is one). Used as a subprocess.Popen is: poll(), wait(timeout), send_signal(), kill(), communicate(). Like a
+    launcher, a rank's failure ends the others (SIGTERM, then SIGKILL after 5 s) and the job's code is the first
+    failing rank's. Output: every rank's stdout and stderr in the file `output`, else a file per rank and stream,
+    read back in rank order."""
+
+    def __init__(self, args, nproc, env, module="train", output=None):
+        global _zygote
+        if _zygote is None or _zygote.proc.poll() is not None:
+            _zygote = Zygote()
+        self.args, self.nproc, self.output = ["fork", *map(str, args)], nproc, output
+        self.port, self.logs = free_port(), tempfile.mkdtemp(prefix="forked-")
+        self.pids, self.codes, self.returncode, self.failed, self.stopping, self.asked = [], {}, None, 0, None, 0.0
+        for rank in range(nproc):
+            rank_env = env if nproc == 1 else dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                                                  LOCAL_SIZE=str(nproc), CROSS_RANK="0", CROSS_SIZE="1",
+                                                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port))
+            _zygote.send({"fork": {"module": module, "argv": self.args[1:], "env": rank_env, "cwd": REPO,
+                                   "stdout": output or f"{self.logs}/{rank}.out",
+                                   "stderr": output or f"{self.logs}/{rank}.err",
+                                   "group": self.pids[0] if self.pids else 0}})
+            self.pids.append(_zygote.reply()["pid"])
+        self.pid = self.pids[0]
+
+    def _signal(self, sig):
+        for pid in set(self.pids) - set(self.codes):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def poll(self):
+        if self.returncode is not None or time.monotonic() - self.asked < 0.01:  # at most 100 questions a second
+            return self.returncode
+        self.asked = time.monotonic()
+        _zygote.send({"poll": [pid for pid in self.pids if pid not in self.codes]})
+        for pid, code in _zygote.reply()["codes"].items():
+            self.codes[int(pid)] = code
+            if code != 0 and self.stopping is None:
+                self.failed, self.stopping = code, time.monotonic() + 5
+                self._signal(signal.SIGTERM)
+        if self.stopping is not None and time.monotonic() > self.stopping:
+            self._signal(signal.SIGKILL)
+        if len(self.codes) == self.nproc:
+            self.returncode = self.failed
+        return self.returncode
+
+    def wait(self, timeout=None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def send_signal(self, sig):
+        """To every rank, as a launcher passes a signal on."""
+        self._signal(sig)
+
+    def kill(self):
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def read(self, stream="out"):
+        if self.output:
+            return open(self.output).read()
+        return "".join(open(f"{self.logs}/{rank}.{stream}").read() for rank in range(self.nproc))
+
+    def communicate(self, timeout=None):
+        self.wait(timeout)
+        return (self.read(), None) if self.output else (self.read("out"), self.read("err"))
+
+
+def fork_launch(args, nproc, env, timeout, module="train"):
+    """A ForkedJob run to its end: a CompletedProcess with each rank's stdout and stderr, in rank order."""
+    job = ForkedJob(args, nproc, env, module)
+    try:
+        job.wait(timeout)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        job.wait()
+        raise subprocess.TimeoutExpired(job.args, timeout, job.read("out"), job.read("err"))
+    return subprocess.CompletedProcess(job.args, job.returncode, job.read("out"), job.read("err"))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -117,12 +167,16 @@ def zygote_ends():
         _zygote.close()
 
 
-def launch(args, nproc=2, launcher="fork", timeout=300, check=True, warnings=False, accelerate_config=None):
+def launch(args, nproc=2, launcher="fork", timeout=300, check=True, warnings=False, accelerate_config=None,
+           faults=None):
     """Run train.py as real processes: `fork` (ranks forked from the preloaded zygote: train.py's code, not a
     launcher's), `deepspeed`, `torchrun`, `accelerate` or plain `python` (1 rank). `warnings`: leave Python's
     warnings on, as a user has them (a launcher's start; the zygote's are off). `accelerate_config`: `accelerate
-    launch --config_file` with that file (its DeepSpeed plugin) instead of the plain torchrun path."""
+    launch --config_file` with that file (its DeepSpeed plugin) instead of the plain torchrun path. `faults`:
+    benchmarks/inject's, as with_faults names them."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
+    if faults:
+        env = with_faults(env, faults)
     if not warnings:
         env["PYTHONWARNINGS"] = "ignore"
     env.pop("RANK", None)
@@ -187,14 +241,19 @@ def run_plan(*args) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["plan.py", *map(str, args)], code, out.getvalue(), err.getvalue())
 
 
+OP_BUILD = "from deepspeed.accelerator import get_accelerator; get_accelerator().create_op_builder({!r}).load()"
+
+
 @pytest.fixture(scope="session", autouse=True)
-def deepspeed_ops():
-    """DeepSpeed's CPU shared-memory all-reduce, which it JIT-builds on first use,
-    built here once before any launch: no test's timeout includes the build, and no test's killed rank leaves the
-    build's lock behind for every later launch to wait on."""
+def deepspeed_ops(request):
+    """DeepSpeed's ops that it JIT-builds on first use, built here: the CPU shared-memory all-reduce once before any
+    launch, so that no test's timeout includes the build and no test's killed rank leaves the build's lock behind
+    for every later launch to wait on; CPU Adam (when a collected test needs it: the `cpu_adam` fixture) in a
+    process of its own, beside the tests before it."""
     import torch
 
     if torch.cuda.is_available():
+        yield None
         return
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
@@ -202,6 +261,22 @@ def deepspeed_ops():
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
         builder.load(verbose=False)
+    cpu_adam = None
+    if any("cpu_adam" in item.fixturenames for item in request.session.items):
+        log = tempfile.NamedTemporaryFile("w+", prefix="cpu-adam-build-", suffix=".log")
+        cpu_adam = subprocess.Popen([sys.executable, "-c", OP_BUILD.format("CPUAdamBuilder")], cwd=REPO,
+                                    stdout=log, stderr=subprocess.STDOUT)
+        cpu_adam.log = log
+    yield cpu_adam
+    if cpu_adam is not None:
+        cpu_adam.wait()  # a build killed half-way would leave its lock behind
+
+
+@pytest.fixture
+def cpu_adam(deepspeed_ops):
+    """DeepSpeed's CPU Adam, built (see deepspeed_ops)."""
+    if deepspeed_ops is not None:
+        assert deepspeed_ops.wait(timeout=600) == 0, open(deepspeed_ops.log.name).read()[-3000:]
 
 
 def read_metrics(run_dir):

@@ -1,14 +1,18 @@
 """The fast variant of benchmarks/fault_injection.py: one real 2-rank job per fault that the other reliability
 tests do not already inject (a kill mid-save, mid-evaluation and mid-export, a failed and a full checkpoint disk, a
 truncated shard, and preemption, stalls and a dead rank under the launchers not covered there), each continued with
-`--resume latest` and compared with the uninterrupted debug run of conftest.stage_runs."""
-import pytest
-from conftest import DEBUG_ARGS
+`--resume latest` and compared with the uninterrupted debug run of conftest.stage_runs. The faults whose launcher
+plays no part (the job killed whole, or not ended) hit jobs forked from conftest's zygote (`fork`)."""
+import os
 
+import pytest
+from conftest import DEBUG_ARGS, ForkedJob
+
+from benchmarks import fault_injection
 from benchmarks.fault_injection import Episode, can_mount, run_all
 
-CASES = [("kill-save", 3, "deepspeed"), ("kill-eval", 2, "deepspeed"), ("kill-export", 1, "deepspeed"),
-         ("enospc", 3, "deepspeed"), ("disk-full", 2, "deepspeed"), ("shard-truncate", 2, "deepspeed"),
+CASES = [("kill-save", 3, "fork"), ("kill-eval", 2, "fork"), ("kill-export", 1, "fork"),
+         ("enospc", 3, "fork"), ("disk-full", 2, "fork"), ("shard-truncate", 2, "fork"),
          ("sigterm", 2, "accelerate"), ("kill-rank", 3, "torchrun"),
          # a stall waits out dist_timeout; test_reliability stalls a rank under deepspeed's launcher by default
          pytest.param("stall", 2, "torchrun", marks=pytest.mark.slow),
@@ -20,8 +24,22 @@ def _id(case):
     return f"{kind}-zero{stage}-{launcher}"
 
 
+def fork_start(start):
+    """fault_injection.start, with the `fork` launcher: a 2-rank ForkedJob writing to the episode's log."""
+    def started(launcher, args, log_path, env_extra=None):
+        if launcher != "fork":
+            return start(launcher, args, log_path, env_extra)
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **(env_extra or {}))
+        env.pop("RANK", None)
+        job = ForkedJob(args, 2, env, output=log_path)
+        job.log = open(log_path, "a")  # what fault_injection.finish closes
+        return job
+    return started
+
+
 @pytest.mark.parametrize("kind,stage,launcher", CASES, ids=[_id(c) for c in CASES])
-def test_fault_is_survived(stage_runs, digits, tmp_path, kind, stage, launcher):
+def test_fault_is_survived(stage_runs, digits, tmp_path, monkeypatch, kind, stage, launcher):
+    monkeypatch.setattr(fault_injection, "start", fork_start(fault_injection.start))
     if kind == "disk-full" and not can_mount():
         pytest.skip("mounting a tmpfs needs root or CAP_SYS_ADMIN; the enospc case covers a failing write")
     # checkpoints every 20 steps (not the reference's 30): saving changes no loss, and gives the kills a recent one

@@ -44,9 +44,9 @@ def test_accelerate_deepspeed_plugin_sets_the_stage(stage_runs, debug_args, tmp_
     assert [r["loss"] for r in read_metrics(run)] == [r["loss"] for r in read_metrics(stage_runs["vit-debug", stage])]
 
 
-def test_accelerate_zero3_offload_steps_with_cpu_adam(stage_runs, debug_args, tmp_path):
+def test_accelerate_zero3_offload_steps_with_cpu_adam(stage_runs, debug_args, tmp_path, cpu_adam):
     """accelerate_configs/zero3_offload.yaml: ZeRO-3 with the optimizer states and parameter partitions in CPU
-    memory, stepped by DeepSpeed's CPU Adam (built at its first use), giving the losses torch's AdamW gives under
+    memory, stepped by DeepSpeed's CPU Adam (built at the session's start: conftest.deepspeed_ops), giving the losses torch's AdamW gives under
     ZeRO-3 to within the two implementations' rounding."""
     run = tmp_path / "run"
     proc = launch(debug_args + ["--model", "vit-debug", "--output_dir", run], timeout=600,

@@ -6,12 +6,11 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
-from conftest import BIN, REPO, free_port, launch, launcher_command, read_metrics, with_faults
+from conftest import BIN, REPO, ForkedJob, free_port, launch, launcher_command, read_metrics
 
 from engine.preemption import DUPLICATE_WINDOW_S, EXIT_GRACE_EXPIRED, EXIT_PREEMPTED
 from train import EXIT_COLLECTIVE, EXIT_NONFINITE
@@ -29,7 +28,7 @@ def start(args, launcher="deepspeed"):
 def wait_for(predicate, proc, timeout=120):
     deadline = time.monotonic() + timeout
     while not predicate():
-        assert proc.poll() is None, f"the job ended first:\n{proc.stdout.read()[-3000:]}"
+        assert proc.poll() is None, f"the job ended first:\n{(proc.communicate()[0] or '')[-3000:]}"
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.02)
 
@@ -108,19 +107,18 @@ def test_sigterm_finishes_the_step_checkpoints_and_resumes_exactly(stage_runs, d
 
 
 def test_second_signal_exits_at_once_and_grace_bounds_the_wait(debug_args, tmp_path):
-    """One rank (plain python), signalled mid-step. SIGUSR1: the step finishes, its checkpoint is written, exit
-    EXIT_PREEMPTED. With a step of a few seconds (ViT-Tiny, 112 px, 192 images): SIGUSR1, then SIGTERM after the
-    duplicate window, ends the process at once; SIGUSR1 with a 1 s grace exits with EXIT_GRACE_EXPIRED and one
-    line, without a checkpoint."""
+    """One rank, signalled mid-step. SIGUSR1: the step finishes, its checkpoint is written, exit EXIT_PREEMPTED.
+    With a step of a few seconds (ViT-Tiny, 112 px, 192 images): SIGUSR1, then SIGTERM after the duplicate window,
+    ends the process at once; SIGUSR1 with a 1 s grace exits with EXIT_GRACE_EXPIRED and one line, without a
+    checkpoint."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    args = [sys.executable, "train.py", *map(str, debug_args), "--eval_every", 0, "--save_every", 0]
+    args = [*debug_args, "--eval_every", 0, "--save_every", 0]
     slow = ["--model", "vit-tiny", "--image_size", 112, "--micro_batch_size", 192]  # ~4 s per step here
     for case in ("checkpoint", "second signal", "grace"):
         run = tmp_path / case.replace(" ", "-")
         extra = {"checkpoint": ["--model", "vit-debug", "--preempt_grace", 60], "second signal": slow + [
             "--preempt_grace", 60], "grace": slow + ["--preempt_grace", 1]}[case]
-        proc = subprocess.Popen([*map(str, args), *map(str, extra), "--output_dir", run], cwd=REPO, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = ForkedJob([*args, *extra, "--output_dir", run], 1, env)
         wait_for(lambda: steps_logged(run) >= 2, proc)  # step 3 has begun (step 2 is the profiled one on CPU)
         start = time.monotonic()
         proc.send_signal(signal.SIGUSR1)
@@ -156,17 +154,14 @@ def test_a_checkpoint_the_disk_cannot_hold_is_skipped_and_training_goes_on(debug
 
 
 def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(debug_args, tmp_path):
-    """NaN injected into the loss of steps 5 and 6 (benchmarks/inject's INJECT_NAN_AT): both steps are skipped on every rank,
+    """NaN injected into the loss of steps 5 and 6 (benchmarks/inject's INJECT_NAN_AT): both steps are skipped on every
+    rank,
     counted, and logged as null; the LR schedule does not advance over them, and the run finishes and exports.
     Injected into 3 steps in a row with max_bad_steps 3: the run stops there with EXIT_NONFINITE and one line."""
     args = debug_args + ["--model", "vit-debug", "--zero_stage", 3, "--max_steps", 10, "--eval_every", 0,
                          "--save_every", 0]
-    env = with_faults(dict(os.environ), {"NAN_AT": "5,6"})
     run = tmp_path / "skipped"
-    proc = subprocess.run([f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "train.py",
-                           *map(str, args + ["--output_dir", run])], cwd=REPO, capture_output=True, text=True,
-                          timeout=300, env=dict(env, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    launch(args + ["--output_dir", run], faults={"NAN_AT": "5,6"})
     records = read_metrics(run)
     assert [r["loss"] is None for r in records] == [False] * 4 + [True] * 2 + [False] * 4
     assert [r["opt/nonfinite_steps"] for r in records] == [0] * 4 + [1, 2] + [2] * 4
@@ -174,18 +169,14 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(debug_args, tmp_pa
     assert (run / "hf_model" / "model.safetensors").exists()
     for stage in (1, 2):  # DeepSpeed's ZeRO-1/2 optimizer skips them too (one rank is enough to show it)
         run = tmp_path / f"skipped-zero{stage}"
-        subprocess.run([sys.executable, "train.py", *map(str, args + ["--zero_stage", stage, "--output_dir", run])],
-                       cwd=REPO, capture_output=True, timeout=120, check=True,
-                       env=dict(env, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+        launch(args + ["--zero_stage", stage, "--output_dir", run], nproc=1, faults={"NAN_AT": "5,6"})
         records = read_metrics(run)
         assert [r["opt/skipped_steps"] for r in records] == [0] * 4 + [1, 2] + [2] * 4
         assert records[6]["lr"] == records[4]["lr"]
 
-    env["INJECT_NAN_AT"] = "3,4,5,6"
     run = tmp_path / "stopped"
-    proc = subprocess.run([sys.executable, "train.py", *map(str, args + ["--max_bad_steps", 3, "--output_dir", run])],
-                          cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env=dict(env, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    proc = launch(args + ["--max_bad_steps", 3, "--output_dir", run], nproc=1, check=False,
+                  faults={"NAN_AT": "3,4,5,6"})
     assert proc.returncode == EXIT_NONFINITE, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1].startswith(
         "error: step 5: the loss or the gradients were not finite in 3 steps in a row (max_bad_steps), each one "

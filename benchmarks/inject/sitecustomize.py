@@ -29,7 +29,11 @@ def rank() -> int:
 
 
 def patch_after_import(name: str, patch):
-    """Call `patch(module)` once `name` has been imported and executed, before anyone uses it."""
+    """Call `patch(module)` once `name` has been imported and executed, before anyone uses it (now, when it has
+    been imported already)."""
+    if name in sys.modules:
+        patch(sys.modules[name])
+        return
 
     class Finder(importlib.abc.MetaPathFinder):
         def find_spec(self, fullname, path, target=None):
