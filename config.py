@@ -68,6 +68,7 @@ class Config:
     # evaluation, logging, checkpoints
     eval_every: int = 300  # evaluate every N optimizer steps (and always at the end); 0 = only at the end
     save_every: int = 300  # DeepSpeed checkpoint every N optimizer steps (and at the end); 0 = only at the end
+    log_every: int = 10  # read the loss and counters from the device at most every N steps (and at evaluations, checkpoints and the end); metrics.jsonl, TensorBoard and the bar are written then, and a preemption signal is acted on
     output_dir: str = "runs/digits-vit"  # run directory: config, metrics.jsonl, TensorBoard, checkpoints, hf_model/
     seed: int = 0  # seeds the initial weights (per module, the same for any world size) and the data order
     keep_last: int = 3  # complete checkpoints kept, newest first; 0 = all
@@ -218,7 +219,8 @@ def _accelerate(cfg: Config, given: dict, env):
 
 
 def _check(cfg: Config):
-    positive = ("num_labels", "image_size", "micro_batch_size", "grad_accum_steps", "max_steps", "max_bad_steps")
+    positive = ("num_labels", "image_size", "micro_batch_size", "grad_accum_steps", "max_steps", "max_bad_steps",
+                "log_every")
     for key in positive:
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"config key '{key}' must be positive, got {getattr(cfg, key)}")

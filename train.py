@@ -38,6 +38,7 @@ from engine.distributed import (DistributedError, Heartbeat, dist_env, exit_dist
 from engine.ema import EMA
 from engine.evaluation import Evaluation, evaluate
 from engine.hf_export import export_hf_model
+from engine.interval import Closed, Interval, StepRecord
 from engine.memory import memory_profiler, memory_trace, peak_memory_bytes
 from engine.optim import frozen_names
 from engine.parallelize import build_engine, build_training_model, engine_config
@@ -318,16 +319,18 @@ def images_per_step(cfg: Config, world_size: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- step
-def train_step(run: Run, model: Model, data: Data, step: int) -> tuple[torch.Tensor, float]:
-    """One optimizer step over grad_accum_steps micro-batches: (this rank's [loss sum, samples skipped, samples
-    padded, 0] on the device, seconds spent waiting for data)."""
+def train_step(run: Run, model: Model, data: Data, step: int) -> tuple[torch.Tensor, int, int, float]:
+    """One optimizer step over grad_accum_steps micro-batches: (this rank's loss summed over them, on the device;
+    the samples its loader skipped and padded; seconds spent waiting for data). Nothing here reads the device."""
     cfg, device, engine = run.cfg, run.device, model.engine
-    sums = torch.zeros(4, dtype=torch.float64, device=device)  # the last: preemption requested, set by the caller
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    skipped = padded = 0
     data_wait = 0.0
     for micro in range(cfg.grad_accum_steps):
         wait_start = time.perf_counter()
         images, labels, meta = next(data.train_batches)
         data_wait += time.perf_counter() - wait_start
+        skipped, padded = skipped + meta["skipped"], padded + meta["padded"]
         images = data.normalize(images.to(device, non_blocking=True))  # uint8 from the loader: a quarter of the bytes
         labels = labels.to(device, non_blocking=True)
         # mixing, dropout and stochastic depth draw from the seed, the step and the micro-batch's slot in the
@@ -340,9 +343,8 @@ def train_step(run: Run, model: Model, data: Data, step: int) -> tuple[torch.Ten
         loss = F.cross_entropy(logits, targets, label_smoothing=cfg.label_smoothing)
         engine.backward(loss)  # DeepSpeed divides by grad_accum_steps
         engine.step()  # optimizer and LR schedule advance only at the accumulation boundary
-        sums[:3] += torch.stack([loss.detach().double(), torch.tensor(meta["skipped"], dtype=torch.float64,
-                                 device=device), torch.tensor(meta["padded"], dtype=torch.float64, device=device)])
-    return sums, data_wait
+        loss_sum += loss.detach().double()
+    return loss_sum, skipped, padded, data_wait
 
 
 # ---------------------------------------------------------------------------------------------------- train
@@ -353,84 +355,109 @@ class Trained:
     timed_images: int = 0  # images and seconds of the steady-state steps: the summary's images/s
     timed_seconds: float = 0.0
     started: float = 0.0
+    bad_in_a_row: int = 0  # steps with a non-finite loss or gradients: the newest run of them, and all
+    bad_total: int = 0
+    data_skipped: int = 0  # samples skipped and padded by the loaders of every rank
+    data_padded: int = 0
 
 
 def train(run: Run, model: Model, start: Start, data: Data, log: RunLog) -> Trained:
-    cfg, device, engine, rank, ema = run.cfg, run.device, model.engine, run.rank, start.ema
+    """The steps, read from the device once per logging interval (engine/interval.py): at most every log_every
+    steps, at each evaluation and checkpoint, after the first two steps (warm-up, and the profiled step on CPU) and
+    often enough for a preemption signal to be acted on within a quarter of preempt_grace."""
+    cfg, device, engine, ema = run.cfg, run.device, model.engine, start.ema
     trained = Trained(started=time.perf_counter())
-    data_totals = torch.zeros(2, dtype=torch.float64, device=device)  # samples skipped, padded: all ranks
-    bad_in_a_row = bad_total = 0
-    per_step = images_per_step(cfg, run.world_size)
+    interval, next_read, skipped_in_a_row = Interval(device, clock(device)), start.step + 1, 0
     for step in range(start.step + 1, cfg.max_steps + 1):
         run.heartbeat.beat(f"step {step}")
-        # the previous step ended on the clock, so the device is idle here: no second synchronisation a step
-        step_start = time.perf_counter()
         lr = engine.get_lr()[0]
         # one profiled step per run on CPU: its peak allocation is the CPU counterpart of the GPU allocator's peak
         profiled = device.type == "cpu" and step == start.step + 2
         with memory_profiler() if profiled else contextlib.nullcontext() as prof:
-            sums, data_wait = train_step(run, model, data, step)
+            loss_sum, skipped, padded, data_wait = train_step(run, model, data, step)
             if ema and engine.was_step_applied():
                 ema.update()
-            sums[3] = float(run.preemption.requested)  # read at the step's end: every rank stops after the same step
-        if profiled:
+        record = StepRecord(step, lr, skipped, padded, data_wait, engine.was_step_applied(), engine.skipped_steps,
+                            peak_memory_bytes())
+        if profiled:  # profiling slows this step: it is read alone, and the summary's images/s leaves it out
             before, peak, _ = memory_trace(prof)
-        dist.all_reduce(sums)
-        step_seconds = clock(device) - step_start  # on GPUs, once the step's kernels and collectives are done
-        step_loss = sums[0].item() / (cfg.grad_accum_steps * run.world_size)
-        data_totals += sums[1:3]
-        preempted = sums[3].item() > 0
-        if step > start.step + 1 and not profiled:  # step 1 allocates buffers and starts workers
-            trained.timed_images += per_step
-            trained.timed_seconds += step_seconds
-        grad_norm = engine.get_global_grad_norm()
-        # DeepSpeed skips an optimizer step whose gradients are not finite (every ZeRO stage and precision; under
-        # fp16 that is also its loss scaler's normal work, so there only a non-finite loss counts)
-        nonfinite = not math.isfinite(step_loss) or (not engine.was_step_applied() and model.precision != "fp16")
-        bad_in_a_row, bad_total = (bad_in_a_row + 1 if nonfinite else 0), bad_total + nonfinite
-        record = {"step": step, "loss": step_loss, "lr": lr,
-                  "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                  "opt/nonfinite_steps": bad_total, "opt/skipped_steps": engine.skipped_steps,
-                  "images_per_sec": per_step / step_seconds, "data_wait_frac": data_wait / step_seconds,
-                  "peak_mem_bytes": peak_memory_bytes(), "data/skipped": int(data_totals[0]),
-                  "data/padded": int(data_totals[1]), "ac/activation_bytes": model.ac_plan["activation_bytes_planned"],
-                  "ac/recompute_flops_frac": model.ac_plan["recompute_flops_fraction"]}
-        if profiled:  # profiling slows this step: the summary's images/s leaves it out
-            record["mem/step_peak_alloc_bytes"] = peak - before
+            record.extra["mem/step_peak_alloc_bytes"] = peak - before
         if data.per_epoch:
-            record["data/epoch"] = data.train_batches.state["batches"] / data.per_epoch
-        if not preempted and (step == cfg.max_steps or (cfg.eval_every and step % cfg.eval_every == 0)):
-            run.heartbeat.beat(f"step {step}, evaluating")
-            evaluate_now(run, model, data, ema, trained)
-            record.update(val_top1=trained.result.top1, val_top5=trained.result.top5)
-            if ema:
-                record.update(val_ema_top1=trained.ema_result.top1, val_ema_top5=trained.ema_result.top5)
-            log.evaluation(step, trained.result, trained.ema_result)
-        log.record(record)
-        if bad_in_a_row >= cfg.max_bad_steps:  # every rank sees the same all-reduced loss and skipped step
+            record.extra["data/epoch"] = data.train_batches.state["batches"] / data.per_epoch
+        interval.add(record, loss_sum, engine.get_global_grad_norm())
+        # DeepSpeed skips a step whose gradients are not finite, and every rank knows it without reading the device;
+        # under fp16 that is its loss scaler's normal work, and a non-finite loss is read every step instead
+        skipped_in_a_row = skipped_in_a_row + 1 if not record.applied else 0
+        evaluating = step == cfg.max_steps or bool(cfg.eval_every and step % cfg.eval_every == 0)
+        saving = step == cfg.max_steps or bool(cfg.save_every and step % cfg.save_every == 0)
+        if not (step >= next_read or evaluating or saving or model.precision == "fp16"
+                or skipped_in_a_row >= cfg.max_bad_steps):
+            continue
+        closed = interval.close(run.preemption.requested, run.world_size)
+        if closed.records[0].step > start.step + (2 if device.type == "cpu" else 1):  # warm-up and profiled left out
+            trained.timed_images += images_per_step(cfg, run.world_size) * len(closed.records)
+            trained.timed_seconds += closed.seconds
+        log_steps(run, model, data, ema, trained, closed, log, evaluate_last=evaluating and not closed.preempted)
+        if closed.preempted or saving:
+            top1 = trained.result.top1 if evaluating and not closed.preempted else None
+            saved = save_checkpoint(run, model, data, ema, step, top1, log)
+        if closed.preempted:
             log.close()
-            if rank == 0:
-                print(f"error: step {step}: the loss or the gradients were not finite in {bad_in_a_row} steps in a row "
-                      f"(max_bad_steps), each one skipped; the weights are those of step {step - bad_in_a_row}. "
-                      f"Look for bad data or a too high lr, then resume from the newest checkpoint",
-                      file=sys.stderr, flush=True)
-            exit_distributed(EXIT_NONFINITE)
-        log.progress(step_loss, record["images_per_sec"])
-        if preempted or step == cfg.max_steps or (cfg.save_every and step % cfg.save_every == 0):
-            saved = save_checkpoint(run, model, data, ema, step, record.get("val_top1"), log)
-        if preempted:
-            log.close()
-            if rank == 0:
+            if run.rank == 0:
                 name = signal.Signals(run.preemption.signal).name if run.preemption.signal else \
                     "a signal on another rank"
                 print(f"preempted ({name}) after step {step}: " + (
                     f"checkpoint step{step:07d} written; continue with --resume latest" if saved else
                     "no checkpoint written (see above); --resume latest continues from the newest"), flush=True)
             exit_distributed(EXIT_PREEMPTED)
+        # the next read: after the second step, then at the next multiple of log_every, sooner when a quarter of
+        # the preemption grace holds fewer steps (step_seconds is the same on every rank)
+        within_grace = max(1, int(cfg.preempt_grace / 4 / max(closed.step_seconds, 1e-9)))
+        next_read = step + 1 if step == start.step + 1 else min(step + cfg.log_every - step % cfg.log_every,
+                                                                 step + within_grace)
+        interval = Interval(device, time.perf_counter())
     log.end_progress()
     if trained.result is None:  # resumed at max_steps: nothing left to train, still report the model's accuracy
         trained.result = evaluate(engine, data.val_batches(), data.normalize, model.dtype, device, cfg.num_labels)
     return trained
+
+
+def log_steps(run: Run, model: Model, data: Data, ema: EMA | None, trained: Trained, closed: Closed, log: RunLog,
+              evaluate_last: bool):
+    """The interval's steps in metrics.jsonl, TensorBoard and the bar, the last one evaluated first if due; a run
+    of max_bad_steps non-finite steps ends the job after the one that completes it."""
+    cfg, n = run.cfg, len(closed.records)
+    for r in closed.records:
+        loss = r.loss_sum / (cfg.grad_accum_steps * run.world_size)
+        nonfinite = not math.isfinite(loss) or (not r.applied and model.precision != "fp16")
+        trained.bad_in_a_row = trained.bad_in_a_row + 1 if nonfinite else 0
+        trained.bad_total += nonfinite
+        trained.data_skipped += r.skipped
+        trained.data_padded += r.padded
+        record = {"step": r.step, "loss": loss, "lr": r.lr, "grad_norm": r.grad_norm,
+                  "opt/nonfinite_steps": trained.bad_total, "opt/skipped_steps": r.ds_skipped_steps,
+                  "images_per_sec": images_per_step(cfg, run.world_size) * n / closed.seconds,
+                  "data_wait_frac": r.data_wait * n / closed.seconds, "peak_mem_bytes": r.peak_mem_bytes,
+                  "data/skipped": trained.data_skipped, "data/padded": trained.data_padded,
+                  "ac/activation_bytes": model.ac_plan["activation_bytes_planned"],
+                  "ac/recompute_flops_frac": model.ac_plan["recompute_flops_fraction"], **r.extra}
+        if evaluate_last and r is closed.records[-1]:
+            run.heartbeat.beat(f"step {r.step}, evaluating")
+            evaluate_now(run, model, data, ema, trained)
+            record.update(val_top1=trained.result.top1, val_top5=trained.result.top5)
+            if ema:
+                record.update(val_ema_top1=trained.ema_result.top1, val_ema_top5=trained.ema_result.top5)
+            log.evaluation(r.step, trained.result, trained.ema_result)
+        log.record(record)
+        if trained.bad_in_a_row >= cfg.max_bad_steps:  # every rank sees the same all-reduced loss and skipped step
+            log.close()
+            if run.rank == 0:
+                print(f"error: step {r.step}: the loss or the gradients were not finite in {trained.bad_in_a_row} "
+                      f"steps in a row (max_bad_steps), each one skipped; the weights are those of step "
+                      f"{r.step - trained.bad_in_a_row}. Look for bad data or a too high lr, then resume from the "
+                      f"newest checkpoint", file=sys.stderr, flush=True)
+            exit_distributed(EXIT_NONFINITE)
+        log.progress(loss, record["images_per_sec"])
 
 
 def evaluate_now(run: Run, model: Model, data: Data, ema: EMA | None, trained: Trained):

@@ -63,8 +63,9 @@ MAX_STEPS, SAVE_EVERY, EVAL_EVERY = 60, 10, 20
 JOB_ARGS = ["--model", "vit-debug", "--image_size", "16", "--micro_batch_size", "16", "--max_steps", str(MAX_STEPS),
             "--warmup_steps", "10", "--lr", "3e-3", "--eval_every", str(EVAL_EVERY), "--save_every", str(SAVE_EVERY),
             "--num_workers", "1", "--shuffle_buffer", "200", "--progress", "false"]
-# every fault's job also gets these: they change no loss, only how faults are met
-FAULT_ARGS = ["--keep_last", "2", "--dist_timeout", "8", "--preempt_grace", "30"]
+# every fault's job also gets these: they change no loss, only how faults are met (every step read and logged as
+# it ends, so that a fault aimed at a step by the records lands there)
+FAULT_ARGS = ["--keep_last", "2", "--dist_timeout", "8", "--preempt_grace", "30", "--log_every", "1"]
 DISK_MIB = 16
 
 

@@ -8,6 +8,7 @@ the arithmetic the processor uses, so `pipeline()` on the exported model sees wh
 comes from a `random.Random` per sample, so augmentations repeat exactly on a resumed run.
 """
 import math
+import random
 
 import numpy as np
 import torch
@@ -106,22 +107,25 @@ class TrainTransform(EvalTransform):
 def mix_batch(images: torch.Tensor, labels: torch.Tensor, num_classes: int, mixup: float, cutmix: float,
               generator: torch.Generator):
     """Mixup (Zhang et al. 2018) or CutMix (Yun et al. 2019), one of them per batch with equal odds when
-    both alphas are set. Returns images and soft targets (B, num_classes)."""
-    targets = torch.nn.functional.one_hot(labels, num_classes).float()
+    both alphas are set. Returns images and soft targets (B, num_classes). Nothing here reads a tensor on the
+    host: the scalars are drawn from Python's generator seeded by `generator`, the permutation from `generator`."""
+    targets = torch.zeros(labels.shape[0], num_classes, device=labels.device).scatter_(1, labels.unsqueeze(1), 1.0)
     if not (mixup > 0 or cutmix > 0):
         return images, targets
-    use_cutmix = cutmix > 0 and (mixup <= 0 or torch.rand((), generator=generator) < 0.5)
+    draw = random.Random(generator.initial_seed())
+    use_cutmix = cutmix > 0 and (mixup <= 0 or draw.random() < 0.5)
     alpha = cutmix if use_cutmix else mixup
-    lam = float(np.random.default_rng(int(torch.randint(2**31, (), generator=generator))).beta(alpha, alpha))
-    perm = torch.randperm(images.shape[0], generator=generator).to(images.device)
+    lam = draw.betavariate(alpha, alpha)
+    # the copy to the device waits for nothing (a blocking one would wait for the device's queue)
+    perm = torch.randperm(images.shape[0], generator=generator).to(images.device, non_blocking=True)
     if use_cutmix:
         h, w = images.shape[-2:]
         ch, cw = int(h * math.sqrt(1 - lam)), int(w * math.sqrt(1 - lam))
-        cy, cx = int(torch.randint(h, (), generator=generator)), int(torch.randint(w, (), generator=generator))
+        cy, cx = draw.randrange(h), draw.randrange(w)
         y0, y1, x0, x1 = max(cy - ch // 2, 0), min(cy + ch // 2, h), max(cx - cw // 2, 0), min(cx + cw // 2, w)
         images = images.clone()
         images[..., y0:y1, x0:x1] = images[perm][..., y0:y1, x0:x1]
         lam = 1 - (y1 - y0) * (x1 - x0) / (h * w)  # the area actually pasted
     else:
         images = lam * images + (1 - lam) * images[perm]
-    return images, lam * targets + (1 - lam) * targets[perm.to(targets.device)]
+    return images, lam * targets + (1 - lam) * targets[perm.to(targets.device, non_blocking=True)]

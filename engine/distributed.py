@@ -4,6 +4,7 @@ import datetime
 import io
 import logging
 import os
+import re
 import socket
 import sys
 import threading
@@ -153,6 +154,7 @@ class Heartbeat:
         # one key per launch attempt: torchrun's store outlives a restart of the workers
         self.failed_key = f"failed/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         self.watch_store = None  # the watchdog's own connection to the store (_watcher_store)
+        self.lock, self.written = threading.Lock(), None  # `written`: what the store holds for this rank
         threading.Thread(target=self._watch, daemon=True, name="heartbeat").start()
 
     def _watcher_store(self):
@@ -167,13 +169,30 @@ class Heartbeat:
         return self.watch_store
 
     def beat(self, what: str):
+        """Where this rank is now. A step ("step N") is kept here and the watchdog writes it to the store at its
+        next poll (at most once a second), so that the loop's steps make no round trip to the store; anything else
+        (evaluating, saving, loading) is written at once."""
         self.what, self.since = what, time.monotonic()
-        self.store.set(f"heartbeat/{self.rank}", what)
+        if not re.fullmatch(r"step \d+", what):
+            self.publish(self.store)
+
+    def publish(self, store):
+        """The store's `heartbeat/<rank>` set to where this rank is, if it holds something older."""
+        with self.lock:
+            what = self.what
+            if store is not None and what != self.written:
+                store.set(f"heartbeat/{self.rank}", what)
+                self.written = what
 
     def _watch(self):
         while True:
             time.sleep(min(self.POLL_S, self.timeout_s / 4))
-            self.stop_if_another_failed(self._watcher_store())
+            store = self._watcher_store()
+            try:
+                self.publish(store)
+            except Exception:  # the store's host is ending or stopped: the checks below still hold
+                pass
+            self.stop_if_another_failed(store)
             stuck = time.monotonic() - self.since
             if stuck > self.timeout_s:
                 self.fail(f"no progress for {stuck:.0f} s at '{self.what}' (dist_timeout {self.timeout_s:g} s)")
@@ -211,6 +230,7 @@ class Heartbeat:
     def report(self) -> str:
         try:
             self.store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
+            self.publish(self.store)
             seen = []
             for r in range(self.world_size):
                 key = f"heartbeat/{r}"
