@@ -8,6 +8,7 @@ For vit-debug and swin-debug, each policy trains 4 steps from the same seed on t
 under the given ZeRO stage, through train.py's own `build_engine`; rank 0 writes the losses and a digest of
 the final weights per policy, and what the compat functions found (tests/test_compat.py reads those).
 """
+import hashlib
 import json
 import sys
 
@@ -83,9 +84,10 @@ def main(argv):
                     "bytes": {op: sum(size * v[0] for size, v in sizes.items()) for op, sizes in raw.items()}}
             params = list(engine.module.parameters())
             with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
-                flat = torch.cat([p.detach().flatten() for p in params]).double()
-            results[f"{name}|{ac.split(':')[0]}"] = {"losses": losses, "weights": flat.tolist()[:2000],
-                                                     "weights_sum": flat.sum().item(),
+                flat = torch.cat([p.detach().flatten() for p in params])
+            # every weight, bit for bit: the digest of their bytes in the model's own dtype
+            results[f"{name}|{ac.split(':')[0]}"] = {"losses": losses, "weights_numel": flat.numel(),
+                                                     "weights_sha256": hashlib.sha256(flat.numpy().tobytes()).hexdigest(),
                                                      "policies": [b["policy"] for b in plan["blocks"]],
                                                      "flops": counter.get_total_flops(),
                                                      "recompute_flops_planned": plan["recompute_matmul_flops"]}

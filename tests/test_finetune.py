@@ -44,10 +44,13 @@ def test_linear_probe_trains_only_a_new_head(probe, pretrained):
     assert f"has {PRETRAINED_LABELS} classes; its classifier head is re-initialised for 10" in proc.stdout
     assert re.search(r"freeze: [\d,]+ of [\d,]+ parameters are frozen \(backbone\); 330 train", proc.stdout)
     before, after = weights(pretrained), weights(os.path.join(out, "hf_model"))
+    initial = build_model(pretrained, 10, 16)[0].state_dict()  # the new head, from the run's seed
     assert set(before) == set(after)
     for name in before:
-        if name.startswith("classifier."):
-            assert after[name].shape[0] == 10
+        if name.startswith("classifier."):  # trained: every element moved from its initial value, by at most
+            # what 4 AdamW steps at lr 1e-3 can move it (|update| <= lr (1 - beta1) / sqrt(1 - beta2) each)
+            moved = (after[name] - initial[name]).abs()
+            assert after[name].shape[0] == 10 and (moved > 0).all() and moved.max() < 4 * 1e-3 * 3.17, name
         else:  # frozen under ZeRO-3 with recomputation: bitwise the pretrained weights
             assert torch.equal(before[name], after[name]), name
     config = json.load(open(os.path.join(out, "hf_model", "config.json")))
@@ -126,9 +129,30 @@ def ema_run(debug_args, tmp_path_factory):
     """ZeRO-3 on 2 ranks with an EMA of the weights: 6 steps, evaluated and saved every 3, the EMA exported."""
     out = tmp_path_factory.mktemp("ema") / "run"
     args = debug_args + ["--model", "vit-debug", "--zero_stage", "3", "--max_steps", "6", "--eval_every", "3", "--save_every", "3",
-                         "--ema_decay", "0.5", "--export_ema", "true"]
+                         "--ema_decay", "0.9", "--export_ema", "true"]
     launch(args + ["--output_dir", out])
     return args, str(out)
+
+
+def test_ema_follows_its_update_rule(debug_args, tmp_path):
+    """One rank, ZeRO-2, 2 steps with a checkpoint after each and decay 0.9 (a swapped decay would show): the EMA
+    in the step-2 checkpoint is, bitwise, the seed's initial weights averaged with each step's weights in turn, and
+    differs from the live weights."""
+    run = tmp_path / "run"
+    launch(debug_args + ["--model", "vit-debug", "--zero_stage", 2, "--max_steps", 2, "--save_every", 1,
+                         "--eval_every", 0, "--ema_decay", 0.9, "--output_dir", run], nproc=1)
+    live = [dict(build_model("vit-debug", 10, 16)[0].named_parameters())]  # the seed's initial weights
+    for step in (1, 2):
+        live.append(torch.load(run / "checkpoints" / f"step{step:07d}" / "mp_rank_00_model_states.pt",
+                               weights_only=False)["module"])
+    pieces = torch.load(run / "checkpoints" / "step0000002" / "ema" / "rank00000.pt", weights_only=True)["pieces"]
+    for name, w0 in live[0].items():
+        expected = w0.detach().float().clone()
+        for weights in live[1:]:
+            expected.lerp_(weights[name].float(), 1 - 0.9)
+        ema = pieces[name][0][:w0.numel()].view(w0.shape)
+        assert torch.equal(ema, expected), name
+        assert not torch.equal(ema, live[2][name]), name
 
 
 def test_ema_is_exact_across_a_resume(ema_run, tmp_path):
