@@ -106,12 +106,29 @@ def test_compare_reproduces_by_interval_overlap():
                 "speed_vs_fsdp2_high": high, "peak_alloc_mib": peak, "peak_alloc_mib_min": peak,
                 "peak_alloc_mib_max": peak, "recompute_flops_frac": 0.0, "ac_plan": "", "budget_gib": ""}
 
-    reference = [row("A", 1.00, 0.98, 1.02), row("B", 0.90, 0.88, 0.92), row("C", 0.80, 0.79, 0.81)]
-    rerun = [row("A", 1.03, 1.01, 1.05), row("B", 0.95, 0.93, 0.97), row("C", 0.80, 0.79, 0.81, peak=110.0)]
+    reference = [row("A", 1.00, 0.98, 1.02), row("B", 0.90, 0.88, 0.92), row("C", 0.80, 0.79, 0.81),
+                 row("D", 0.70, 0.69, 0.71)]
+    rerun = [row("A", 1.03, 1.01, 1.05), row("B", 0.95, 0.93, 0.97), row("C", 0.80, 0.79, 0.81, peak=110.0),
+             row("E", 0.70, 0.69, 0.71)]
     lines, missed = compare(rerun, reference)
-    # A's intervals overlap; B's do not (a 5.6% move); C's speed agrees but its peak moved 10%
-    assert missed == [("s", "B"), ("s", "C")]
-    assert lines[0].startswith("1 of 3 configurations reproduced")
+    # A's intervals overlap; B's do not (a 5.6% move); C's speed agrees but its peak moved 10%; D is missing from
+    # the rerun and E from the reference
+    assert sorted(missed) == [("s", "B"), ("s", "C"), ("s", "D"), ("s", "E")]
+    assert lines[0].startswith("1 of 5 configurations reproduced")
+    assert any("| D | missing in the rerun |" in line for line in lines)
+
+
+def test_verdicts_read_the_interval():
+    from benchmarks.report import NOT_MEASURED, UNDECIDED, both, judged, render
+
+    assert judged((1.2, 1.12, 1.3), 1.10, at_least=True) is True
+    assert judged((1.2, 1.05, 1.3), 1.10, at_least=True) == UNDECIDED  # the point alone would say met
+    assert judged((1.0, 0.9, 1.05), 1.10, at_least=True) is False
+    assert judged((1.05, 1.0, 1.08), 1.10, at_least=False) is True
+    assert judged((1.05, 1.0, 1.12), 1.10, at_least=False) == UNDECIDED
+    assert both(True, UNDECIDED) == UNDECIDED and both(UNDECIDED, False) is False and both(True, True) is True
+    assert both(True, NOT_MEASURED) == NOT_MEASURED
+    assert [render(v) for v in (True, False, NOT_MEASURED)] == ["yes", "**missed**", "not measured"]
 
 
 @pytest.mark.slow

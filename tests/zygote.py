@@ -21,8 +21,9 @@ import os
 import sys
 import traceback
 
-# train.py and what its ranks import while they run (DeepSpeed at the process group's start)
-PRELOAD = ("train", "deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer", "torch.utils.tensorboard")
+# train.py and what its ranks import while they run (DeepSpeed at the process group's start, matplotlib on rank 0)
+PRELOAD = ("train", "deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer", "torch.utils.tensorboard",
+           "engine.figures")
 PROJECT = {"train", "config", "engine", "models", "ac", "data", "planner", "plan", "export"}
 
 
