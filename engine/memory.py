@@ -101,16 +101,20 @@ def peak_memory_bytes() -> int:
 
 @contextlib.contextmanager
 def _stderr_without(text: str):
-    """Hold what this process writes to file descriptor 2 (C++ logging included) and pass on every line but
-    those containing `text`."""
+    """Hold what C++ code writes to file descriptor 2 and pass on every line but those containing `text` at the
+    end. Python's own writes (sys.stderr: an error line, a preemption's message) go straight through, so that a
+    process that ends inside (`os._exit`) loses none of them."""
     sys.stderr.flush()
-    saved = os.dup(2)
+    saved, python_stderr = os.dup(2), sys.stderr
     with tempfile.TemporaryFile() as held:
+        sys.stderr = open(saved, "w", buffering=1, encoding=python_stderr.encoding, errors="backslashreplace",
+                          closefd=False)
         os.dup2(held.fileno(), 2)
         try:
             yield
         finally:
             sys.stderr.flush()
+            sys.stderr = python_stderr
             os.dup2(saved, 2)
             os.close(saved)
             held.seek(0)

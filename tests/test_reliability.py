@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -119,7 +120,7 @@ def test_second_signal_exits_at_once_and_grace_bounds_the_wait(debug_args, tmp_p
         extra = {"checkpoint": ["--model", "vit-debug", "--preempt_grace", 60], "second signal": slow + [
             "--preempt_grace", 60], "grace": slow + ["--preempt_grace", 1]}[case]
         proc = ForkedJob([*args, *extra, "--output_dir", run], 1, env)
-        wait_for(lambda: steps_logged(run) >= 2, proc)  # step 3 has begun (step 2 is the profiled one on CPU)
+        wait_for(lambda: steps_logged(run) >= 1, proc)  # step 2 has begun: on CPU the profiled one
         start = time.monotonic()
         proc.send_signal(signal.SIGUSR1)
         if case == "second signal":
@@ -140,6 +141,15 @@ def test_second_signal_exits_at_once_and_grace_bounds_the_wait(debug_args, tmp_p
             assert proc.returncode == EXIT_GRACE_EXPIRED, err[-2000:]
             assert err.strip().splitlines()[-1].startswith("error: SIGUSR1 received 1 s ago (preempt_grace)")
         assert not (run / "checkpoints").exists() or not any((run / "checkpoints").glob("step*"))
+
+
+def test_a_line_written_inside_the_profiled_step_survives_an_exit():
+    """The CPU's profiled step holds what C++ writes to stderr (to drop the profiler's own lines); a line Python
+    writes there (a preemption's or an error's) goes out at once, even when the process ends inside."""
+    code = ("import os, sys\nfrom engine.memory import memory_profiler\nwith memory_profiler():\n"
+            "    print('error: the last line', file=sys.stderr, flush=True)\n    os._exit(4)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 4 and proc.stderr.strip().splitlines()[-1] == "error: the last line", proc.stderr
 
 
 def test_a_checkpoint_the_disk_cannot_hold_is_skipped_and_training_goes_on(debug_args, tmp_path):
