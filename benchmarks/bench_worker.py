@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import resource
 import sys
@@ -290,8 +291,8 @@ def main():
         times.append(clock(device) - start)  # on GPUs, once the step's kernels and the all-reduce are done
         losses.append(loss.item() / world_size)
 
-    if cuda:  # activation and per-step figures need the CPU profiler's timeline: not recorded on GPU
-        figures = [step_peak, setup_peak, reserved, 0, 0]
+    if cuda:  # activation and per-step figures need the CPU profiler's timeline: not measured on GPU
+        figures = [step_peak, setup_peak, reserved, math.nan, math.nan]
     else:
         phases = memory_phases(profiler, trace_name(spec))
         steps = [phases[f"step{i}"] for i in range(1, spec.profiled_steps + 1)]
@@ -308,7 +309,8 @@ def main():
     if rank == 0:
         timed = times[first_timed:]
         global_batch = spec.micro_batch_size * world_size
-        column = lambda i: [int(g[i]) for g in gathered]  # noqa: E731  one figure, every rank
+        # one figure, every rank (None: not measured)
+        column = lambda i: [int(g[i]) if math.isfinite(g[i]) else None for g in gathered]  # noqa: E731
         result = {"spec": dataclasses.asdict(spec), "world_size": world_size, "device": device.type,
                   "threads_per_rank": torch.get_num_threads(), "step_seconds": timed,
                   "images_per_sec": global_batch * len(timed) / sum(timed), "losses": losses,

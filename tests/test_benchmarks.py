@@ -152,3 +152,15 @@ def test_convergence_fsdp2_worker_trains_what_train_py_trains(tmp_path, debug_ar
     assert theirs == pytest.approx(ours, rel=1e-4)
     summary = json.loads((tmp_path / "fsdp2" / "summary.json").read_text())
     assert 0 <= summary["val_top1"] <= 1 and summary["step"] == 3
+
+
+def test_a_figure_not_measured_is_absent_not_zero():
+    """The activation and step-peak figures come from the CPU profiler's timeline: a GPU job records None, and
+    the row leaves them empty instead of writing 0 as if measured."""
+    from benchmarks.report import median_mib, mib
+
+    cpu = [{"activation_bytes": [3 * 2**20, 4 * 2**20]}, {"activation_bytes": [5 * 2**20, 2 * 2**20]}]
+    gpu = [{"activation_bytes": [None, None], "device": "cuda"}]
+    assert median_mib([{"activation_bytes": [0], "device": "cuda"}], "activation_bytes") == ""  # an older GPU job
+    assert median_mib(cpu, "activation_bytes") == 4.5 and median_mib(gpu, "activation_bytes") == ""
+    assert mib(median_mib(gpu, "activation_bytes")) == "" and mib(4.5) == "4"
