@@ -157,7 +157,7 @@ def summarise(results: list, shapes: list, suite: Suite, flops: dict, peak_gflop
 def median_mib(jobs: list, key: str):
     """The median over jobs of a figure's largest value over ranks, in MiB; "" where it was not measured (the
     activation and step-peak figures come from the CPU profiler's timeline: none on GPUs)."""
-    if any(None in r[key] or r.get("device") == "cuda" for r in jobs):  # older GPU jobs wrote 0
+    if any(None in r[key] or r.get("device") == "cuda" for r in jobs):  # a GPU job's 0 there is no measurement
         return ""
     return round(statistics.median(max(r[key]) for r in jobs) / MiB, 1)
 

@@ -34,9 +34,6 @@ class Interval:
         self.device, self.started = device, started
         self.records, self.losses, self.norms = [], [], []
 
-    def __len__(self):
-        return len(self.records)
-
     def add(self, record: StepRecord, loss_sum: torch.Tensor, grad_norm):
         """One step: its record, this rank's loss sum over its micro-batches (a device scalar) and DeepSpeed's
         gradient norm (a float, a device tensor or None)."""

@@ -2,7 +2,6 @@
 zygote, or under each launcher), the debug run."""
 import json
 import os
-import select
 import signal
 import socket
 import subprocess
@@ -55,10 +54,8 @@ class Zygote:
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
 
-    def reply(self, timeout=None):
-        """The next reply, or None after `timeout` seconds without one (one reply per request, read in order)."""
-        if not select.select([self.proc.stdout], [], [], timeout)[0]:
-            return None
+    def reply(self):
+        """The reply to the oldest request not yet answered (the zygote answers each at once, in order)."""
         line = self.proc.stdout.readline()
         assert line, f"the zygote ended:\n{open(self.log.name).read()[-3000:]}"
         return json.loads(line)
