@@ -208,11 +208,11 @@ def memory_phases(profiler, name: str) -> dict:
     return phases
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--spec", required=True, help="JSON object with the fields of Spec")
     parser.add_argument("--out", required=True, help="rank 0 writes the result JSON here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     spec = Spec(**json.loads(args.spec))
     if spec.profiled_steps < 1 or spec.timed_steps < 1:  # the profiler stops when the first timed step starts
         sys.exit(f"error: a job needs at least one profiled and one timed step (got {spec.profiled_steps} and "

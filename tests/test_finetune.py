@@ -167,6 +167,16 @@ def test_ema_is_exact_across_a_resume(ema_run, tmp_path):
     assert read_metrics(out)[-1]["val_ema_top1"] == read_metrics(resumed)[-1]["val_ema_top1"]
 
 
+def test_evaluating_the_ema_leaves_training_unchanged(ema_run, tmp_path):
+    """Under ZeRO-3 the evaluation at step 3 swaps the EMA into the weights' partitions and back: steps 4-6 train
+    bitwise as they do without an EMA."""
+    args, out = ema_run
+    plain = tmp_path / "plain"
+    launch(args + ["--ema_decay", "0", "--export_ema", "false", "--output_dir", plain])
+    assert [r["loss"] for r in read_metrics(out)] == [r["loss"] for r in read_metrics(plain)]
+    assert "val_ema_top1" not in read_metrics(plain)[2] and "val_ema_top1" in read_metrics(out)[2]
+
+
 def test_ema_is_sharded_and_reassembles_on_another_world_size(ema_run, tmp_path):
     """Each rank's file holds its half of every parameter; one rank reading the two-rank checkpoint exports the
     average those halves make."""

@@ -3,10 +3,13 @@
 The library is `config`, `ac/`, `engine/`, `models/`, `data/`, `planner/` (but `data/make_shards.py`, a script). Entry scripts
 (`train.py`, `plan.py`, `export.py`, the scripts under `data/` and `launch/`) and `benchmarks/` use the library;
 the library never imports them, no two library modules import each other (directly or round a longer cycle), and
-a benchmark never imports an entry script. Every import counts, the ones inside functions too.
+a benchmark never imports an entry script. Every import counts, the ones inside functions too. The user's guide
+names the test behind each bitwise claim it makes.
 """
 import ast
+import glob
 import os
+import re
 
 from conftest import REPO
 
@@ -134,3 +137,24 @@ def test_nothing_edits_sys_path():
         wrong += [f"{module}:{n.lineno}" for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "path"
                   and isinstance(n.value, ast.Name) and n.value.id == "sys"]
     assert not wrong, wrong
+
+
+def test_every_bitwise_claim_in_the_docs_names_its_test():
+    """Each paragraph of README.md and docs/ that says "bitwise" or "bit for bit" names a test file under tests/
+    or a test function, and each one it names exists."""
+    names = set()
+    for path in glob.glob(os.path.join(REPO, "tests", "*.py")):
+        names |= set(re.findall(r"^def (test_\w+)", open(path).read(), re.M))
+    claims = 0
+    for path in [os.path.join(REPO, "README.md"), *sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))]:
+        for paragraph in re.split(r"\n\s*\n", open(path).read()):
+            if not re.search(r"bitwise|bit for bit", paragraph, re.I):
+                continue
+            claims += 1
+            files = re.findall(r"tests/(\w+\.py)", paragraph)
+            tests = re.findall(r"\b(test_\w+)\b(?!\.py)", paragraph)
+            where = f"{os.path.relpath(path, REPO)}: {paragraph[:120]!r}"
+            assert files or tests, f"names no test: {where}"
+            assert all(os.path.exists(os.path.join(REPO, "tests", f)) for f in files), where
+            assert all(t in names for t in tests), where
+    assert claims >= 10
