@@ -82,6 +82,7 @@ class Spec:
     count_flops: bool = True  # one extra, untimed step under torch's FLOP counter (recompute included)
     seed: int = 0
     num_labels: int = 10
+    ds_config: str = ""  # deepspeed: a DeepSpeed JSON template (run config key ds_config); "" = ds_configs/zero{zero}.json
 
 
 def batch(spec: Spec, rank: int, step: int):
@@ -96,7 +97,8 @@ def run_config(spec: Spec) -> Config:
     spec's shape, and a warm-up that lasts past the few steps of a job."""
     return Config(model=spec.model, num_labels=spec.num_labels, image_size=spec.image_size,
                   patch_size=spec.patch_size, zero_stage=spec.zero, ac="none" if spec.ac.startswith("hf:") else spec.ac,
-                  micro_batch_size=spec.micro_batch_size, warmup_steps=20, max_steps=100, seed=spec.seed)
+                  micro_batch_size=spec.micro_batch_size, warmup_steps=20, max_steps=100, seed=spec.seed,
+                  ds_config=spec.ds_config)
 
 
 class FSDP2Step:

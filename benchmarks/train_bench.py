@@ -57,30 +57,38 @@ def run_job(suite: Suite, shape: Shape, run: Run, budget_gib, repeat: int, threa
                 micro_batch_size=shape.micro_batch_size, zero=run.zero or 3, ac=ac, reshard=run.reshard,
                 profiled_steps=suite.profiled_steps, warmup_steps=suite.warmup_steps, timed_steps=suite.timed_steps,
                 count_flops=repeat == 0)
+    result, tail = run_worker(spec, suite.ranks, threads, suite.timeout_s)
+    result.update(shape=shape.label, run=run.name, engine=run.engine, zero=run.zero, reshard=run.reshard,
+                  ac=run.ac, budget_gib=budget_gib, repeat=repeat)
+    if tail:
+        with open(os.path.join(log_dir, "failed.log"), "a") as f:
+            f.write(f"=== {shape.label} | {run.name} | repeat {repeat}\n{tail}\n")
+    return result
+
+
+def run_worker(spec: dict, ranks: int, threads: int, timeout_s: int) -> tuple[dict, str]:
+    """One benchmark job: bench_worker.py on `ranks` ranks under torchrun. (result, "") or ({"error": tail}, tail),
+    the result with the job's wall seconds."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", str(suite.ranks),
+        cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", str(ranks),
                "--master_port", str(port), "-m", "benchmarks.bench_worker",
                "--spec", json.dumps(spec), "--out", out]
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1",
                    **CPU_ALLOCATOR_ENV)
         start = time.perf_counter()
         try:
-            proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=suite.timeout_s)
+            proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
             failed = proc.returncode != 0 or not os.path.exists(out)
             tail = (proc.stdout + proc.stderr)[-3000:]
         except subprocess.TimeoutExpired:
-            failed, tail = True, f"timed out after {suite.timeout_s} s"
+            failed, tail = True, f"timed out after {timeout_s} s"
         result = {"error": tail} if failed else json.load(open(out))
-    result.update(shape=shape.label, run=run.name, engine=run.engine, zero=run.zero, reshard=run.reshard,
-                  ac=run.ac, budget_gib=budget_gib, repeat=repeat, job_seconds=time.perf_counter() - start)
-    if failed:
-        with open(os.path.join(log_dir, "failed.log"), "a") as f:
-            f.write(f"=== {shape.label} | {run.name} | repeat {repeat}\n{tail}\n")
-    return result
+    result["job_seconds"] = time.perf_counter() - start
+    return result, tail if failed else ""
 
 
 def main(argv=None):
