@@ -166,6 +166,7 @@ class DeepSpeedStep:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
         built = build_engine(model, cfg, world_size, device_type, log=lambda *a: None)
         self.engine, self.plan, self.dtype, self.cfg = built.engine, built.ac_plan, built.dtype, cfg
+        self.ds_config = built.ds_config
 
     def forward(self, images, labels):
         logits = self.engine(images.to(self.dtype)).logits.float()
@@ -325,6 +326,8 @@ def main(argv=None):
                   "step_peak_bytes": column(3), "activation_bytes": column(4), "max_rss_bytes": column(5),
                   "hardware_flops_per_step": sum(float(g[6]) for g in gathered),
                   "forward_weight_bytes": column(7)}
+        if spec.engine == "deepspeed":  # what DeepSpeed ran with: benchmarks.validate predicts from it
+            result["ds_config"] = step_fn.ds_config
         plan = step_fn.plan
         if plan is not None:
             result["ac_plan"] = {k: plan.get(k) for k in ("activation_bytes_planned", "activation_bytes_none",

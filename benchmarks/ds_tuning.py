@@ -2,8 +2,8 @@
 as shipped, on one shape and ZeRO stage at a time, in one invocation, in alternating order, with paired ratios
 and 95% bootstrap intervals (the method of docs/benchmarks.md).
 
-    .venv/bin/python -m benchmarks.ds_tuning                          # ViT-S/8 (the cpu suite's shape), ZeRO-2 and 3
-    .venv/bin/python -m benchmarks.ds_tuning --stages 3 --repeats 5 --out /tmp/tuning
+    .venv/bin/python -m benchmarks.ds_tuning                  # ViT-S/8 (the cpu suite's shape), ZeRO-2 and 3: ~35 min
+    .venv/bin/python -m benchmarks.ds_tuning --shape host     # the host suite's narrow ViT, where a step is host work
 
 A variant is a set of values written into the stage's template (ds_configs/zero<N>.json) before train.py's
 config fills its "auto" fields, so an explicit value replaces what this project would choose. Writes
@@ -20,12 +20,13 @@ import torch
 
 from benchmarks.measure import REPO, environment, gemm_gflops
 from benchmarks.report import fmt_ratio, paired_ratio, peak_of
-from benchmarks.suites import VIT_S, MiB
+from benchmarks.suites import SUITES, VIT_S, MiB
 from benchmarks.train_bench import run_worker
 from engine.ds_config import BLOCK_PARAMS_PER_HIDDEN_SQ, DS_CONFIG_DIR
 from models.registry import model_config
 
 SHIPPED = "as shipped"
+SHAPES = {"vit-s": (VIT_S, 2, 1, 3), "host": (SUITES["host"].shapes[0], 2, 5, 30)}  # shape, profiled, warm-up, timed
 
 
 def variants(stage: int, hidden: int) -> dict:
@@ -64,17 +65,19 @@ def template(stage: int, values: dict, folder: str, index: int) -> str:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="vit-s")
     parser.add_argument("--stages", default="2,3", help="ZeRO stages, comma-separated")
     parser.add_argument("--ac", default="none", help="the checkpointing policy every job runs")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "ds-tuning"))
+    parser.add_argument("--out", default="", help="default: benchmarks/results/ds-tuning-<shape>")
     args = parser.parse_args(argv)
     if torch.cuda.is_available():
         raise SystemExit("error: ds_tuning measures on CPU ranks (fp32); on GPUs run the gpu suite")
+    args.out = args.out or os.path.join(REPO, "benchmarks", "results", f"ds-tuning-{args.shape}")
     os.makedirs(args.out, exist_ok=True)
     threads = max(1, (os.cpu_count() or 1) // args.ranks)
-    shape = VIT_S
+    shape, profiled, warmup, timed = SHAPES[args.shape]
     hidden = model_config(shape.model, 10, shape.image_size, shape.patch_size).hidden_size
     stages = [int(s) for s in args.stages.split(",")]
     from tqdm import tqdm
@@ -89,7 +92,8 @@ def main(argv=None):
             for stage, name, path in (jobs if repeat % 2 == 0 else jobs[::-1]):
                 spec = dict(engine="deepspeed", model=shape.model, image_size=shape.image_size,
                             patch_size=shape.patch_size, micro_batch_size=shape.micro_batch_size, zero=stage,
-                            ac=args.ac, profiled_steps=2, warmup_steps=1, timed_steps=3, count_flops=False,
+                            ac=args.ac, profiled_steps=profiled, warmup_steps=warmup, timed_steps=timed,
+                            count_flops=False,
                             ds_config=path)
                 result, tail = run_worker(spec, args.ranks, threads, 600)
                 result.update(stage=stage, variant=name, repeat=repeat)

@@ -68,7 +68,11 @@ def validate(results_csv: str, mfu: float = 1.0, intra_gbs: float = 10.0, save: 
         device = Device(device_type, env["peak_gflops_per_rank"] * 1e9, 1e6, intra_gbs, intra_gbs, 0.0,
                         mem_gbs=mem_gbs)
         hidden = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size).hidden_size
-        ds_config = build_ds_config(cfg, hidden, world, precision)
+        ds_config = jobs[0].get("ds_config")  # as the run had it
+        if ds_config is None:  # a run that did not record it: torch's unfused AdamW, DeepSpeed's sub-groups
+            ds_config = build_ds_config(cfg, hidden, world, precision)
+            ds_config["optimizer"]["params"]["fused"] = False
+            ds_config["zero_optimization"].pop("sub_group_size", None)
         assumed = estimate(cfg, ds_config, precision, world, world, device, mfu, mbu=1.0)
         if row["shape"] not in calibrations:
             added[row["shape"]] = calibrations[row["shape"]] = dict(

@@ -131,6 +131,12 @@ def build_ds_config(cfg: Config, hidden_size: int, world_size: int, precision: s
         # checkpointed block's recompute runs inside its backward, after the block's own gather
         "stage3_max_live_parameters": 2 * block,
         "stage3_max_reuse_distance": block,
+        # ZeRO-3 steps the optimizer one sub-group of the partition at a time, flattening the sub-group's fp32
+        # gradients first: one block's worth bounds that copy (DeepSpeed's 1e9 spans the whole partition)
+        "sub_group_size": block,
+        # overlapping the gradients' reduction with the backward needs a second stream: on GPUs, where it hides
+        # the reduction; on CPU it only adds copies (benchmarks/results/ds-tuning-vit-s)
+        "overlap_comm": torch.cuda.is_available() if gpu is None else gpu,
     }
     for key, value in auto_sizes.items():
         if zero.get(key) == "auto":

@@ -30,9 +30,9 @@ def zero_memory_bytes(n_params: int, zero_stage: int, world_size: int, precision
       rank owning the last layers is the start of the backward. ZeRO-1 reduces at the end of the backward,
       when the activations are freed.
     - `optimizer_step`, which peaks in AdamW's update: the weights and states as above, the flat fp32 gradient
-      partition DeepSpeed hands the optimizer, AdamW's two whole-partition temporaries (DeepSpeed flattens the
-      partition into one tensor) and, under ZeRO-1, the reduced gradient partition, which ZeRO-2 and 3 hold
-      already.
+      partition DeepSpeed hands the optimizer, for torch's unfused (foreach) AdamW its two whole-partition
+      temporaries (DeepSpeed flattens the partition into one tensor; the fused update has none) and, under
+      ZeRO-1, the reduced gradient partition, which ZeRO-2 and 3 hold already.
     """
     parts = zero_memory_parts(n_params, zero_stage, world_size, precision, ds_config)
     held = sum(v for k, v in parts.items() if k != "optimizer_step_temporaries")
@@ -44,7 +44,7 @@ def zero_memory_parts(n_params: int, zero_stage: int, world_size: int, precision
     """zero_memory_bytes's terms, per rank: weights (whole, or ZeRO-3's partition), gradients (ZeRO-2/3's
     partition, ZeRO-1's whole gradients between micro-batches), optimizer_states (fp32 master and AdamW's
     moments), zero3_gathered (prefetch bucket and live gathered weights) and optimizer_step_temporaries (the
-    fp32 gradient partition, AdamW's two temporaries and ZeRO-1's reduced gradient partition); with ZeRO++'s hpZ,
+    fp32 gradient partition, unfused AdamW's two temporaries and ZeRO-1's reduced gradient partition); with ZeRO++'s hpZ,
     zero3_secondary (the weights' secondary partition over the ranks of a node, which the backward gathers from).
     What ZeRO-Offload moves to host memory (`offload_optimizer`: the states, the fp32 gradient partition and the
     step; `offload_param` under ZeRO-3: the weights' partition) is not on the device: `offloaded_bytes` counts it."""
@@ -66,7 +66,10 @@ def zero_memory_parts(n_params: int, zero_stage: int, world_size: int, precision
         parts["gradients"] = grad * part
     elif ds_config.get("gradient_accumulation_steps", 1) > 1:  # ZeRO-1 keeps gradients between micro-batches
         parts["gradients"] = grad * n
-    parts["optimizer_step_temporaries"] = (4 if zero_stage == 1 else 3) * 4 * part
+    fused = ds_config.get("optimizer", {}).get("params", {}).get("fused", False)
+    # ZeRO-3 flattens and steps one sub-group of its partition at a time (DeepSpeed's default: 1e9 elements)
+    stepped = min(part, zero.get("sub_group_size", 1e9)) if zero_stage == 3 else part
+    parts["optimizer_step_temporaries"] = 4 * ((part if zero_stage == 1 else 0) + stepped * (1 if fused else 3))
     if optimizer_off:
         parts["optimizer_states"] = parts["optimizer_step_temporaries"] = 0
         if zero_stage in (2, 3):

@@ -28,9 +28,10 @@ def test_fixed_memory_follows_zero_accounting():
     """Per rank, fp32, what DeepSpeed holds when the backward starts: weights (whole under ZeRO-1/2) plus the
     fp32 master partition and AdamW's moments (12 bytes per parameter over the ranks); ZeRO-2 its gradient
     partition (one rank reduces at the start of the backward); ZeRO-3 a weight and a gradient partition, its
-    prefetch bucket and the weights it may hold gathered at once. The optimizer step adds the flat gradient
-    and two AdamW temporaries, fp32 partitions, and under ZeRO-1 the reduced gradient partition, which
-    ZeRO-2 and 3 hold already."""
+    prefetch bucket and the weights it may hold gathered at once. The optimizer step adds the flat gradient, an
+    fp32 partition (under ZeRO-3 one sub-group of it: a block's parameters), under ZeRO-1 the reduced gradient
+    partition, which ZeRO-2 and 3 hold already, and with torch's unfused AdamW (a template's "fused": false)
+    two more of the flat gradient's size: its temporaries."""
     n, world, hidden = 300_000_000, 8, 1024
     ds = {stage: build_ds_config(Config(zero_stage=stage), hidden, world, "fp32") for stage in (1, 2, 3)}
     sizes = {stage: zero_memory_bytes(n, stage, world, "fp32", ds[stage]) for stage in (1, 2, 3)}
@@ -38,9 +39,16 @@ def test_fixed_memory_follows_zero_accounting():
     assert sizes[1]["backward"] == pytest.approx(n * (4 + 12 / world))
     assert sizes[2]["backward"] == pytest.approx(n * (4 + 16 / world))
     assert sizes[3]["backward"] == pytest.approx(n * 20 / world + gathered)
+    block = 12 * hidden**2
+    assert ds[3]["zero_optimization"]["sub_group_size"] == block < n / world
     for stage in (1, 2, 3):
-        partitions = 4 if stage == 1 else 3
-        assert sizes[stage]["optimizer_step"] - sizes[stage]["backward"] == pytest.approx(partitions * 4 * n / world)
+        assert ds[stage]["optimizer"]["params"]["fused"] is True
+        flat = block if stage == 3 else n / world
+        reduced = n / world if stage == 1 else 0
+        assert sizes[stage]["optimizer_step"] - sizes[stage]["backward"] == pytest.approx(4 * (flat + reduced))
+        ds[stage]["optimizer"]["params"]["fused"] = False
+        unfused = zero_memory_bytes(n, stage, world, "fp32", ds[stage])
+        assert unfused["optimizer_step"] - unfused["backward"] == pytest.approx(4 * (3 * flat + reduced))
     # gradients accumulated over micro-batches stay between backwards: whole under ZeRO-1, partitioned under 2
     accum = {stage: build_ds_config(Config(zero_stage=stage, grad_accum_steps=4), hidden, world, "fp32")
              for stage in (1, 2)}
