@@ -36,11 +36,11 @@ def variants(stage: int, hidden: int) -> dict:
     common = {"AdamW unfused (torch's foreach)": {"optimizer.params.fused": False}}
     if stage == 3:
         return {**common,
-                "sub_group_size: one block": {"zero_optimization.sub_group_size": block},
+                "sub_group_size: DeepSpeed's 1e9": {"zero_optimization.sub_group_size": 10**9},
                 "buckets of one block": {"zero_optimization.reduce_bucket_size": block,
                                          "zero_optimization.stage3_prefetch_bucket_size": block},
                 "live parameters: 4 blocks": {"zero_optimization.stage3_max_live_parameters": 4 * block},
-                "overlap_comm off": {"zero_optimization.overlap_comm": False}}
+                "overlap_comm on": {"zero_optimization.overlap_comm": True}}
     return {**common,
             "overlap_comm on": {"zero_optimization.overlap_comm": True},
             "buckets of one block": {"zero_optimization.reduce_bucket_size": block,
