@@ -33,7 +33,7 @@ def variants(stage: int, hidden: int) -> dict:
     """{name: {dotted key: value}} for a stage; the values that depend on the model are sized from its hidden
     size (a transformer block holds ~12 h^2 parameters)."""
     block = BLOCK_PARAMS_PER_HIDDEN_SQ * hidden * hidden
-    common = {"AdamW unfused (torch's foreach)": {"optimizer.params.fused": False}}
+    common = {"AdamW fused (torch's GPU default)": {"optimizer.params.fused": True}}
     if stage == 3:
         return {**common,
                 "sub_group_size: DeepSpeed's 1e9": {"zero_optimization.sub_group_size": 10**9},

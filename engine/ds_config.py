@@ -110,13 +110,15 @@ def build_ds_config(cfg: Config, hidden_size: int, world_size: int, precision: s
         _fill(ds, "optimizer.params.muon_lr", cfg.muon_lr, where)
         ds["optimizer"]["params"].setdefault("momentum", MUON_MOMENTUM)
     offloaded = ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") != "none"
-    # torch's fused AdamW, not DeepSpeed's FusedAdam: the same single-kernel update on CPU and GPU, the optimizer
-    # the FSDP2 baseline runs (so a benchmark compares the sharding, not the optimizer kernels), and no JIT build
-    # of a C++/CUDA op at start. DeepSpeed hands extra optimizer params to torch's AdamW: `fused` reaches it.
+    # torch's AdamW, not DeepSpeed's FusedAdam: on GPUs its fused kernel, the same single-kernel update and the
+    # optimizer the FSDP2 baseline runs, with no JIT build of a CUDA op at start (DeepSpeed hands extra optimizer
+    # params to torch's AdamW: `fused` reaches it). On CPU its foreach update: with the fused CPU kernel an
+    # element's update depends on where it sits in the rank's flat partition, so a resume on another number of
+    # ranks is not bitwise (tests/test_elastic.py); the foreach update is the same whatever the partition.
     # Optimizer states offloaded to CPU memory step with DeepSpeed's CPU Adam, built at the first run.
     ds["optimizer"]["params"].setdefault("torch_adam", not offloaded)
     if ds["optimizer"]["params"]["torch_adam"] and cfg.optimizer == "adamw":
-        ds["optimizer"]["params"].setdefault("fused", True)
+        ds["optimizer"]["params"].setdefault("fused", torch.cuda.is_available() if gpu is None else gpu)
 
     zero = ds["zero_optimization"]
     bucket = max(hidden_size * hidden_size, MIN_BUCKET_ELEMENTS)

@@ -59,7 +59,7 @@ def main(argv):
             cfg.ac = ac
             built = build_engine(model, cfg, world, "cpu", log=lambda *a: None)  # train.py's own wrapping
             engine, plan = built.engine, built.ac_plan
-            # the update DeepSpeed steps: torch's AdamW, fused (ds_config's "fused" reaches torch)
+            # the update DeepSpeed steps: torch's AdamW, foreach on CPU (ds_config's "fused" reaches torch)
             results["compat"]["optimizer"] = [type(engine.basic_optimizer).__name__,
                                               engine.basic_optimizer.defaults.get("fused")]
             if stage == 3:
