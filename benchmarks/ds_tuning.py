@@ -19,7 +19,7 @@ import time
 import torch
 
 from benchmarks.measure import REPO, environment, gemm_gflops
-from benchmarks.report import fmt_ratio, paired_ratio, peak_of
+from benchmarks.report import fmt_ratio, peak_of, peak_ratio, speed_ratio
 from benchmarks.suites import SUITES, VIT_S, MiB
 from benchmarks.train_bench import run_worker
 from engine.ds_config import BLOCK_PARAMS_PER_HIDDEN_SQ, DS_CONFIG_DIR
@@ -93,10 +93,10 @@ def main(argv=None):
                 spec = dict(engine="deepspeed", model=shape.model, image_size=shape.image_size,
                             patch_size=shape.patch_size, micro_batch_size=shape.micro_batch_size, zero=stage,
                             ac=args.ac, profiled_steps=profiled, warmup_steps=warmup, timed_steps=timed,
-                            count_flops=False,
-                            ds_config=path)
+                            count_flops=False, ds_config=path)
                 result, tail = run_worker(spec, args.ranks, threads, 600)
-                result.update(stage=stage, variant=name, repeat=repeat)
+                # shape and run: the keys report.py pairs the repeats of two configurations by
+                result.update(shape=shape.label, run=f"ZeRO-{stage} {name}", stage=stage, variant=name, repeat=repeat)
                 results.append(result)
                 log.write(json.dumps(result) + "\n")
                 log.flush()
@@ -115,11 +115,9 @@ def main(argv=None):
              "|---|---|---|---|---|---|---|"]
     for stage, name, _ in jobs:
         ok = [r for r in results if r["stage"] == stage and r["variant"] == name and "error" not in r]
-        mine = lambda value: {r["repeat"]: value(r) for r in ok}  # noqa: E731
-        base = [r for r in results if r["stage"] == stage and r["variant"] == SHIPPED and "error" not in r]
-        theirs = lambda value: {r["repeat"]: value(r) for r in base}  # noqa: E731
-        speed = paired_ratio(mine(lambda r: r["images_per_sec"]), theirs(lambda r: r["images_per_sec"]))
-        peak = paired_ratio(mine(peak_of), theirs(peak_of))
+        run, shipped = f"ZeRO-{stage} {name}", f"ZeRO-{stage} {SHIPPED}"
+        speed = speed_ratio(results, shape.label, run, shipped)
+        peak = peak_ratio(results, shape.label, run, shipped)
         lines.append(f"| {stage} | {name} | {statistics.median(r['images_per_sec'] for r in ok):.1f} | "
                      f"{'' if name == SHIPPED else fmt_ratio(speed)} | "
                      f"{statistics.median(peak_of(r) for r in ok) / MiB:.1f} | "
