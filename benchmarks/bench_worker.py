@@ -83,6 +83,7 @@ class Spec:
     seed: int = 0
     num_labels: int = 10
     ds_config: str = ""  # deepspeed: a DeepSpeed JSON template (run config key ds_config); "" = ds_configs/zero{zero}.json
+    compile: bool = False  # torch.compile: DeepSpeed's engine.compile() (train.py's); FSDP2 each block in place
 
 
 def batch(spec: Spec, rank: int, step: int):
@@ -98,14 +99,15 @@ def run_config(spec: Spec) -> Config:
     return Config(model=spec.model, num_labels=spec.num_labels, image_size=spec.image_size,
                   patch_size=spec.patch_size, zero_stage=spec.zero, ac="none" if spec.ac.startswith("hf:") else spec.ac,
                   micro_batch_size=spec.micro_batch_size, warmup_steps=20, max_steps=100, seed=spec.seed,
-                  ds_config=spec.ds_config)
+                  ds_config=spec.ds_config, compile=spec.compile)
 
 
 class FSDP2Step:
     """PyTorch FSDP2: `fully_shard` per block and on the root, torch's fused AdamW (one kernel per parameter
     list on CPU and GPU: the fastest update torch offers), and either this project's checkpointing, wrapped by
     the same `apply_ac` DeepSpeed's blocks go through, or Hugging Face's own (`hf:full`, `hf:every_n:K`): plain
-    FSDP2 as its users run it."""
+    FSDP2 as its users run it. `compile` compiles each block in place after its checkpointing and before
+    `fully_shard` (torchtitan's order), so FSDP2's hooks stay outside the compiled code."""
 
     def __init__(self, model, cfg: Config, spec: Spec):
         from torch.distributed.device_mesh import init_device_mesh
@@ -133,6 +135,8 @@ class FSDP2Step:
         if cuda:
             model.to(torch.cuda.current_device())
         for block in blocks:
+            if spec.compile:  # as torchtitan: each block in place, after checkpointing, before sharding
+                block.module.compile()
             fully_shard(block.module, mesh=mesh, reshard_after_forward=spec.reshard, mp_policy=mp)
         fully_shard(model, mesh=mesh, reshard_after_forward=spec.reshard, mp_policy=mp)
         self.model, self.cfg = model, cfg

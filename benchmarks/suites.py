@@ -18,19 +18,22 @@ class Shape:
 class Run:
     """One configuration. `ac` is this project's policy, on either engine, or for FSDP2 also Hugging Face's own
     checkpointing (`hf:full`, `hf:every_n:K`); `auto:race` and `auto:fX` are budgets the harness fills from
-    peaks it measured earlier in the same invocation (see `resolve_budget`)."""
+    peaks it measured earlier in the same invocation (see `resolve_budget`). `compile`: torch.compile as each
+    engine's users apply it (bench_worker.Spec)."""
     engine: str  # deepspeed | fsdp2
     ac: str
     zero: int = 0  # deepspeed's stage
     reshard: bool = True  # fsdp2's reshard_after_forward
+    compile: bool = False
 
     @property
     def name(self) -> str:
+        compiled = " + compile" if self.compile else ""
         if self.engine == "fsdp2":
             hf = {"hf:full": "HF full AC"}.get(self.ac, f"HF AC every {self.ac.split(':')[-1]}") \
                 if self.ac.startswith("hf:") else self.ac
-            return f"FSDP2{'' if self.reshard else ' no-reshard'} + {hf}"
-        return f"ZeRO-{self.zero} + {self.ac}"
+            return f"FSDP2{'' if self.reshard else ' no-reshard'} + {hf}{compiled}"
+        return f"ZeRO-{self.zero} + {self.ac}{compiled}"
 
     @property
     def plain(self) -> bool:
@@ -53,17 +56,18 @@ class Suite:
     notes: list = field(default_factory=list)
 
 
-def fsdp2(ac, reshard=True):
-    return Run("fsdp2", ac, reshard=reshard)
+def fsdp2(ac, reshard=True, compile=False):
+    return Run("fsdp2", ac, reshard=reshard, compile=compile)
 
 
-def zero(stage, *policies):
-    return [Run("deepspeed", ac, zero=stage) for ac in policies]
+def zero(stage, *policies, compile=False):
+    return [Run("deepspeed", ac, zero=stage, compile=compile) for ac in policies]
 
 
-def same_policy(policies, stage=3):
+def same_policy(policies, stage=3, compile=False):
     """Each policy under FSDP2 (resharding, as ZeRO-3 does) and under ZeRO-`stage`, side by side."""
-    return [run for ac in policies for run in (fsdp2(ac), Run("deepspeed", ac, zero=stage))]
+    return [run for ac in policies for run in (fsdp2(ac, compile=compile), Run("deepspeed", ac, zero=stage,
+                                                                                 compile=compile))]
 
 
 # Order matters only in the first repeat: plain FSDP2 and the fixed policies come first because the `auto`
@@ -88,11 +92,12 @@ SUITES = {
         # 5 repeats of 3 timed steps: 15 steps per configuration, each ratio paired within a repeat
         repeats=5, profiled_steps=2, warmup_steps=1, timed_steps=3, targets_shape="vit-small"),
     # host overhead: 24 blocks of width 64 and 2 images per rank, where a step is the engine's Python, dispatch
-    # and collectives rather than arithmetic; the time per step, per engine and per policy
+    # and collectives rather than arithmetic; the time per step, per engine and per policy, eager and compiled
     "host": Suite(
         shapes=[Shape("vit-narrow", 32, 4, 2, "ViT 24 blocks x width 64, 32x32 (65 tokens), batch 2 per rank")],
         runs={"*": [fsdp2("none"), fsdp2("hf:full"), fsdp2("none", False), *zero(2, "none"), *zero(3, "none"),
-                    *same_policy(["selective", "full"])]},
+                    *same_policy(["selective", "full"]), fsdp2("none", compile=True), fsdp2("hf:full", compile=True),
+                    *zero(3, "none", compile=True), *same_policy(["selective", "full"], compile=True)]},
         repeats=5, profiled_steps=2, warmup_steps=5, timed_steps=30, timeout_s=300, targets_shape="vit-narrow",
         host=True),
     "gpu": Suite(

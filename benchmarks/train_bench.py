@@ -56,10 +56,10 @@ def run_job(suite: Suite, shape: Shape, run: Run, budget_gib, repeat: int, threa
     spec = dict(engine=run.engine, model=shape.model, image_size=shape.image_size, patch_size=shape.patch_size,
                 micro_batch_size=shape.micro_batch_size, zero=run.zero or 3, ac=ac, reshard=run.reshard,
                 profiled_steps=suite.profiled_steps, warmup_steps=suite.warmup_steps, timed_steps=suite.timed_steps,
-                count_flops=repeat == 0)
+                count_flops=repeat == 0, compile=run.compile)
     result, tail = run_worker(spec, suite.ranks, threads, suite.timeout_s)
     result.update(shape=shape.label, run=run.name, engine=run.engine, zero=run.zero, reshard=run.reshard,
-                  ac=run.ac, budget_gib=budget_gib, repeat=repeat)
+                  ac=run.ac, compile=run.compile, budget_gib=budget_gib, repeat=repeat)
     if tail:
         with open(os.path.join(log_dir, "failed.log"), "a") as f:
             f.write(f"=== {shape.label} | {run.name} | repeat {repeat}\n{tail}\n")

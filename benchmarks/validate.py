@@ -35,7 +35,9 @@ def validate(results_csv: str, mfu: float = 1.0, intra_gbs: float = 10.0, save: 
     `save`, written there, dated, so that the validation's figures can be reproduced)."""
     folder = os.path.dirname(os.path.abspath(results_csv))
     with open(results_csv) as f:
-        rows = [r for r in csv.DictReader(f) if r["engine"] == "deepspeed" and r["jobs_ok"] != "0"]
+        # eager rows only: the planner models the eager step (a compiled one fuses what it counts)
+        rows = [r for r in csv.DictReader(f) if r["engine"] == "deepspeed" and r["jobs_ok"] != "0"
+                and r.get("compile") != "True"]
     with open(os.path.join(folder, "runs.jsonl")) as f:
         runs = [json.loads(line) for line in f]
     with open(os.path.join(folder, "environment.json")) as f:
