@@ -71,6 +71,7 @@ class Spec:
     image_size: int = 16
     patch_size: int = 0
     micro_batch_size: int = 8
+    grad_accum_steps: int = 1  # micro-batches per optimizer step (a step is what is profiled, counted and timed)
     zero: int = 3  # deepspeed: ZeRO stage
     ac: str = "none"  # this project's policy; fsdp2 also hf:full | hf:every_n:K (Hugging Face's own)
     reshard: bool = True  # fsdp2: reshard_after_forward (True ~ ZeRO-3, False ~ ZeRO-2)
@@ -87,9 +88,12 @@ class Spec:
 
 
 def batch(spec: Spec, rank: int, step: int):
+    """The rank's images and labels of one optimizer step, micro-batches together: a step's draws depend on
+    the seed, the rank and the step, not on how the step is cut into micro-batches."""
     g = torch.Generator().manual_seed(spec.seed * 1_000_003 + rank * 1009 + step)
-    images = torch.randn(spec.micro_batch_size, 3, spec.image_size, spec.image_size, generator=g)
-    return images, torch.randint(0, spec.num_labels, (spec.micro_batch_size,), generator=g)
+    n = spec.micro_batch_size * spec.grad_accum_steps
+    images = torch.randn(n, 3, spec.image_size, spec.image_size, generator=g)
+    return images, torch.randint(0, spec.num_labels, (n,), generator=g)
 
 
 def run_config(spec: Spec) -> Config:
@@ -98,7 +102,7 @@ def run_config(spec: Spec) -> Config:
     spec's shape, and a warm-up that lasts past the few steps of a job."""
     return Config(model=spec.model, num_labels=spec.num_labels, image_size=spec.image_size,
                   patch_size=spec.patch_size, zero_stage=spec.zero, ac="none" if spec.ac.startswith("hf:") else spec.ac,
-                  micro_batch_size=spec.micro_batch_size, warmup_steps=20, max_steps=100, seed=spec.seed,
+                  micro_batch_size=spec.micro_batch_size, grad_accum_steps=spec.grad_accum_steps, warmup_steps=20, max_steps=100, seed=spec.seed,
                   ds_config=spec.ds_config, compile=spec.compile)
 
 
@@ -139,13 +143,16 @@ class FSDP2Step:
                 block.module.compile()
             fully_shard(block.module, mesh=mesh, reshard_after_forward=spec.reshard, mp_policy=mp)
         fully_shard(model, mesh=mesh, reshard_after_forward=spec.reshard, mp_policy=mp)
-        self.model, self.cfg = model, cfg
+        self.model, self.cfg, self.accum = model, cfg, spec.grad_accum_steps
         self.opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                      eps=1e-8, fused=True)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_schedule(cfg))
 
     def forward(self, images, labels):
         return F.cross_entropy(self.model(images).logits.float(), labels, label_smoothing=self.cfg.label_smoothing)
+
+    def compiled(self) -> bool:
+        return all(compat.is_compiled_in_place(b.module) for b in find_blocks(self.model))
 
     def gathered_weight_bytes(self) -> int:
         """Bytes of unsharded parameters: FSDP2 swaps a module's sharded DTensor parameters for plain,
@@ -155,8 +162,12 @@ class FSDP2Step:
 
         return sum(p.numel() * p.element_size() for p in self.model.parameters() if not isinstance(p, DTensor))
 
-    def backward_step(self, loss):
-        loss.backward()
+    def backward_step(self, loss, last: bool = True):
+        """One micro-batch's backward; the optimizer steps after the `last` of a step's micro-batches, with
+        FSDP2's default of reducing every micro-batch's gradients into the shards."""
+        (loss / self.accum if self.accum > 1 else loss).backward()
+        if not last:
+            return
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.opt.step()
         self.sched.step()
@@ -176,13 +187,17 @@ class DeepSpeedStep:
         logits = self.engine(images.to(self.dtype)).logits.float()
         return F.cross_entropy(logits, labels, label_smoothing=self.cfg.label_smoothing)
 
+    def compiled(self) -> bool:
+        return self.engine.is_compiled
+
     def gathered_weight_bytes(self) -> int:
         """Bytes of ZeRO-3 parameters gathered whole (or being gathered) on this rank; 0 under ZeRO 1 and 2,
         whose weights are never partitioned. The forward ends with some still gathered: those the backward
         reads first, which ZeRO-3's prefetch and reuse distance keep."""
         return compat.zero3_gathered_bytes(self.engine.module)
 
-    def backward_step(self, loss):
+    def backward_step(self, loss, last: bool = True):
+        """DeepSpeed scales the loss by the accumulation steps and steps the optimizer at their boundary."""
         self.engine.backward(loss)
         self.engine.step()
 
@@ -265,7 +280,7 @@ def main(argv=None):
     flop_step = spec.profiled_steps + 1 if spec.count_flops else 0
     first_timed = spec.profiled_steps + bool(flop_step) + spec.warmup_steps
     for step in range(1, first_timed + spec.timed_steps + 1):
-        images, labels = (t.to(device) for t in batch(spec, rank, step))
+        images, labels = (t.to(device).chunk(spec.grad_accum_steps) for t in batch(spec, rank, step))
         if step == 1 and cuda:
             setup_peak = torch.cuda.max_memory_allocated()
             torch.cuda.reset_peak_memory_stats()
@@ -280,23 +295,26 @@ def main(argv=None):
         timeline = profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) if traced \
             else contextlib.nullcontext()
         start = clock(device)
+        step_loss = torch.zeros((), device=device)
         with timeline, counter, record_function(f"bench/step{step}"):
-            if step == spec.profiled_steps:
-                weights_before = step_fn.gathered_weight_bytes()
-            with record_function("bench/forward" if step == spec.profiled_steps else f"bench/forward{step}"):
-                loss = step_fn.forward(images, labels)
-            if step == spec.profiled_steps:  # whole weights the forward left for the backward, not activations
-                forward_weights = step_fn.gathered_weight_bytes() - weights_before
-            step_fn.backward_step(loss)
+            for i, (x, y) in enumerate(zip(images, labels)):
+                marked = step == spec.profiled_steps and i == 0  # the forward the activations are read from
+                if marked:
+                    weights_before = step_fn.gathered_weight_bytes()
+                with record_function("bench/forward" if marked else f"bench/forward{step}.{i}"):
+                    loss = step_fn.forward(x, y)
+                if marked:  # whole weights the forward left for the backward, not activations
+                    forward_weights = step_fn.gathered_weight_bytes() - weights_before
+                step_fn.backward_step(loss, last=i == spec.grad_accum_steps - 1)
+                step_loss += loss.detach() / spec.grad_accum_steps
         if traced:
             timeline.export_chrome_trace(os.path.join(os.environ["BENCH_TRACE_DIR"],
                                                       f"{trace_name(spec)}-step{step}_rank{dist.get_rank()}.json"))
         if step == flop_step:
             hardware_flops = counter.get_total_flops()
-        loss = loss.detach()
-        dist.all_reduce(loss)  # also the end of the step on every rank
+        dist.all_reduce(step_loss)  # also the end of the step on every rank
         times.append(clock(device) - start)  # on GPUs, once the step's kernels and the all-reduce are done
-        losses.append(loss.item() / world_size)
+        losses.append(step_loss.item() / world_size)
 
     if cuda:  # activation and per-step figures need the CPU profiler's timeline: not measured on GPU
         figures = [step_peak, setup_peak, reserved, math.nan, math.nan]
@@ -315,7 +333,7 @@ def main(argv=None):
     dist.all_gather(gathered, figures)
     if rank == 0:
         timed = times[first_timed:]
-        global_batch = spec.micro_batch_size * world_size
+        global_batch = spec.micro_batch_size * spec.grad_accum_steps * world_size
         # one figure, every rank (None: not measured)
         column = lambda i: [int(g[i]) if math.isfinite(g[i]) else None for g in gathered]  # noqa: E731
         result = {"spec": dataclasses.asdict(spec), "world_size": world_size, "device": device.type,
@@ -332,6 +350,7 @@ def main(argv=None):
                   "forward_weight_bytes": column(7)}
         if spec.engine == "deepspeed":  # what DeepSpeed ran with: benchmarks.validate predicts from it
             result["ds_config"] = step_fn.ds_config
+        result["compiled"] = step_fn.compiled()
         plan = step_fn.plan
         if plan is not None:
             result["ac_plan"] = {k: plan.get(k) for k in ("activation_bytes_planned", "activation_bytes_none",

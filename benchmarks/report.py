@@ -3,7 +3,7 @@ results.md, the Pareto plot and the comparison of a rerun with a committed run."
 import math
 import statistics
 
-from benchmarks.suites import MiB, Suite, fsdp2, runs_of
+from benchmarks.suites import MiB, Run, Suite, fsdp2, micro_and_accum, runs_of
 
 
 def peak_of(result: dict) -> int:
@@ -118,7 +118,9 @@ def summarise(results: list, shapes: list, suite: Suite, flops: dict, peak_gflop
             peaks = [peak_of(r) for r in jobs]
             first = jobs[0]
             hardware = next((r["hardware_flops_per_step"] for r in jobs if r["hardware_flops_per_step"]), 0)
-            model_per_step = flops[shape.label] * shape.micro_batch_size * suite.ranks
+            micro, accum = micro_and_accum(suite, shape, run)
+            per_step = micro * accum * suite.ranks  # images
+            model_per_step = flops[shape.label] * per_step
             med = statistics.median(speeds)
             # the loss of the same step in every job (the first repeat's jobs run one extra, FLOP-counted step)
             loss = statistics.median(r["losses"][suite.profiled_steps + suite.timed_steps - 1] for r in jobs)
@@ -128,7 +130,7 @@ def summarise(results: list, shapes: list, suite: Suite, flops: dict, peak_gflop
                 budget_gib=round(first["budget_gib"], 4) if first["budget_gib"] else "",
                 images_per_sec=round(med, 3), images_per_sec_min=round(min(speeds), 3),
                 images_per_sec_max=round(max(speeds), 3),
-                step_ms=round(1000 * shape.micro_batch_size * suite.ranks / med, 2),
+                micro_batch=micro, grad_accum=accum, step_ms=round(1000 * per_step / med, 2),
                 mfu=round(flops[shape.label] * med / (peak_gflops * 1e9 * suite.ranks), 4),
                 recompute_flops_frac=round(hardware / model_per_step - 1, 4) if hardware else "",
                 peak_alloc_mib=round(statistics.median(peaks) / MiB, 1),
@@ -141,8 +143,9 @@ def summarise(results: list, shapes: list, suite: Suite, flops: dict, peak_gflop
                 max_rss_mib=round(statistics.median(max(r["max_rss_bytes"]) for r in jobs) / MiB, 1),
                 final_loss=round(loss, 6), loss_rel_diff=f"{abs(loss - reference_loss) / abs(reference_loss):.1e}",
                 ac_plan="/".join(f"{p[0]}" for p in first.get("ac_plan", {}).get("blocks", [])))
-            # images/s over the same repeats' plain FSDP2, with its interval: what `--compare` checks
-            vs = speed_ratio(results, shape.label, run.name, fsdp2("none").name)
+            # images/s over the same repeats' plain FSDP2 (at the same micro-batch), with its interval: what
+            # `--compare` checks
+            vs = speed_ratio(results, shape.label, run.name, Run("fsdp2", "none", micro=run.micro).name)
             if vs:
                 row.update(speed_vs_fsdp2=round(vs[0], 4), speed_vs_fsdp2_low=round(vs[1], 4),
                            speed_vs_fsdp2_high=round(vs[2], 4))
@@ -230,7 +233,7 @@ def check_targets(rows: list, suite: Suite, results: list) -> list:
                     f"images/s {fmt_ratio(speed)}{straddles(speed, 0.98)}; peak {fmt_ratio(memory)}"
                     f"{straddles(memory, 1.0)} ({e['ours']['peak_alloc_mib']:.0f} vs "
                     f"{e['fsdp2']['peak_alloc_mib']:.0f} MiB)"))
-    for e in race_table(results, rows, suite) if not suite.host else []:
+    for e in race_table(results, rows, suite) if not (suite.host or suite.global_batch) else []:
         if not e["midpoint"]:
             continue
         checked = e["shape"] == label
@@ -301,9 +304,13 @@ def check_targets(rows: list, suite: Suite, results: list) -> list:
 
 
 def write_markdown(path: str, suite_name: str, suite: Suite, rows: list, targets: list, env: dict, minutes: float,
-                   results: list):
+                   results: list, race: str = ""):
+    """results.md; `race`: a micro-batch race's own section (benchmarks/race.py), in place of the tables at
+    equal policy and the budget race at the shape's micro-batch."""
     with open(path, "w") as f:
-        f.write(f"# `{suite_name}` suite\n\n![throughput against peak memory](pareto.png)\n\n")
+        picture = "![images/s and peak memory against the micro-batch](race.png)" if race \
+            else "![throughput against peak memory](pareto.png)"
+        f.write(f"# `{suite_name}` suite\n\n{picture}\n\n")
         f.write(f"{env['date']} | commit {env.get('git_commit', 'not recorded')} | {env['gpu'] or env['cpu']}, "
                 f"{env['cores']} cores | torch {env['torch']}, deepspeed "
                 f"{env['deepspeed']}, transformers {env['transformers']} | {suite.ranks} ranks x "
@@ -315,49 +322,60 @@ def write_markdown(path: str, suite_name: str, suite: Suite, rows: list, targets
         f.write("## Targets\n\n| target | met | measured |\n|---|---|---|\n")
         for name, ok, figures in targets:
             f.write(f"| {name} | {render(ok)} | {figures} |\n")
-        f.write("\n## DeepSpeed against FSDP2 at the same checkpointing policy\n\nZeRO-3 against FSDP2 resharding "
-                "after the forward, ZeRO-2 against FSDP2 without; the same `apply_ac` wraps both engines' blocks.\n\n"
-                "| shape | policy | DeepSpeed | images/s | FSDP2 | images/s | speed ratio | peak MiB | FSDP2 peak | "
-                "memory ratio |\n|---|---|---|---|---|---|---|---|---|---|\n")
-        for e in engine_table(results, rows, suite):
-            o, t = e["ours"], e["fsdp2"]
-            f.write(f"| {e['shape'].split(',')[0]} | {e['policy']} | {o['config']} | {o['images_per_sec']:.2f} | "
-                    f"{t['config']} | {t['images_per_sec']:.2f} | {fmt_ratio(e['speed'])} | "
-                    f"{o['peak_alloc_mib']:.0f} | {t['peak_alloc_mib']:.0f} | {fmt_ratio(e['memory'])} |\n")
-        f.write("\n## The budget race: this project's fastest against plain FSDP2's fastest at each budget\n\n"
-                "Budgets: each plain FSDP2 configuration's peak and the midpoint (*) between FSDP2 + HF full AC's "
-                "and plain FSDP2's. Plain FSDP2: no checkpointing or Hugging Face's. Ours: DeepSpeed with this "
-                "project's checkpointing; *either engine*: this project's checkpointing under DeepSpeed or FSDP2.\n\n"
-                "| shape | budget MiB | plain FSDP2's fastest | images/s | DeepSpeed's fastest | images/s | ratio | "
-                "either engine's fastest | ratio |\n|---|---|---|---|---|---|---|---|---|\n")
-        for e in race_table(results, rows, suite):
-            t, o, x = e["fsdp2"], e["ours"], e["either"]
-            f.write(f"| {e['shape'].split(',')[0]} | {e['budget_mib']:.0f}{' *' if e['midpoint'] else ''} | "
-                    f"{t['config']} | {t['images_per_sec']:.2f} | "
-                    + (f"{o['config']} | {o['images_per_sec']:.2f} | {fmt_ratio(e['ours_speed'])}" if o else "none fits | |")
-                    + " | " + (f"{x['config']} | {fmt_ratio(e['either_speed'])}" if x else "none fits |") + " |\n")
-        for shape in suite.shapes:
-            f.write(f"\n## {shape.label}\n\n| configuration | images/s, median (min-max) | ms/step | MFU | recompute | peak "
-                    f"MiB/rank | planned peak (error) | setup peak | step peak | activations (+ whole weights) | "
-                    f"max RSS | loss after {suite.profiled_steps + suite.timed_steps} steps (rel. diff) |\n"
-                    "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
-            for r in rows:
-                if r["shape"] != shape.label:
-                    continue
-                if "images_per_sec" not in r:
-                    f.write(f"| {r['config']} | failed ({r['jobs_failed']} jobs, see failed.log) |||||||||||\n")
-                    continue
-                budget = f" ({r['budget_gib'] * 1024:.0f} MiB)" if r["budget_gib"] else ""
-                if r["jobs_failed"]:
-                    budget += f" ({r['jobs_ok']} of {r['jobs_ok'] + r['jobs_failed']} jobs; see failed.log)"
-                rec = f"{r['recompute_flops_frac']:+.0%}" if r["recompute_flops_frac"] != "" else ""
-                f.write(f"| {r['config']}{budget} | {r['images_per_sec']:.2f} ({r['images_per_sec_min']:.2f}-"
-                        f"{r['images_per_sec_max']:.2f}) | {r['step_ms']:.1f} | {r['mfu']:.1%} | {rec} | "
-                        f"{r['peak_alloc_mib']:.0f} | "
-                        + (f"{r['planned_peak_mib']:.0f} ({r['planned_error']:+.1%})" if "planned_peak_mib" in r else "")
-                        + f" | {r['setup_peak_mib']:.0f} | {mib(r['step_peak_mib'])} | {mib(r['activation_mib'])}"
-                        + (f" (+{r['forward_weights_mib']:.0f})" if r["forward_weights_mib"] else "") + " | "
-                        f"{r['max_rss_mib']:.0f} | {r['final_loss']:.5f} ({r['loss_rel_diff']}) |\n")
+        if race:
+            f.write("\n" + race)
+        else:
+            write_equal_policy_and_race(f, suite, rows, results)
+        write_rows(f, suite, rows)
+
+
+def write_equal_policy_and_race(f, suite: Suite, rows: list, results: list):
+    f.write("\n## DeepSpeed against FSDP2 at the same checkpointing policy\n\nZeRO-3 against FSDP2 resharding "
+            "after the forward, ZeRO-2 against FSDP2 without; the same `apply_ac` wraps both engines' blocks.\n\n"
+            "| shape | policy | DeepSpeed | images/s | FSDP2 | images/s | speed ratio | peak MiB | FSDP2 peak | "
+            "memory ratio |\n|---|---|---|---|---|---|---|---|---|---|\n")
+    for e in engine_table(results, rows, suite):
+        o, t = e["ours"], e["fsdp2"]
+        f.write(f"| {e['shape'].split(',')[0]} | {e['policy']} | {o['config']} | {o['images_per_sec']:.2f} | "
+                f"{t['config']} | {t['images_per_sec']:.2f} | {fmt_ratio(e['speed'])} | "
+                f"{o['peak_alloc_mib']:.0f} | {t['peak_alloc_mib']:.0f} | {fmt_ratio(e['memory'])} |\n")
+    f.write("\n## The budget race: this project's fastest against plain FSDP2's fastest at each budget\n\n"
+            "Budgets: each plain FSDP2 configuration's peak and the midpoint (*) between FSDP2 + HF full AC's "
+            "and plain FSDP2's. Plain FSDP2: no checkpointing or Hugging Face's. Ours: DeepSpeed with this "
+            "project's checkpointing; *either engine*: this project's checkpointing under DeepSpeed or FSDP2.\n\n"
+            "| shape | budget MiB | plain FSDP2's fastest | images/s | DeepSpeed's fastest | images/s | ratio | "
+            "either engine's fastest | ratio |\n|---|---|---|---|---|---|---|---|---|\n")
+    for e in race_table(results, rows, suite):
+        t, o, x = e["fsdp2"], e["ours"], e["either"]
+        f.write(f"| {e['shape'].split(',')[0]} | {e['budget_mib']:.0f}{' *' if e['midpoint'] else ''} | "
+                f"{t['config']} | {t['images_per_sec']:.2f} | "
+                + (f"{o['config']} | {o['images_per_sec']:.2f} | {fmt_ratio(e['ours_speed'])}" if o else "none fits | |")
+                + " | " + (f"{x['config']} | {fmt_ratio(e['either_speed'])}" if x else "none fits |") + " |\n")
+
+
+def write_rows(f, suite: Suite, rows: list):
+    for shape in suite.shapes:
+        f.write(f"\n## {shape.label}\n\n| configuration | images/s, median (min-max) | ms/step | MFU | recompute | peak "
+                f"MiB/rank | planned peak (error) | setup peak | step peak | activations (+ whole weights) | "
+                f"max RSS | loss after {suite.profiled_steps + suite.timed_steps} steps (rel. diff) |\n"
+                "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+        for r in rows:
+            if r["shape"] != shape.label:
+                continue
+            if "images_per_sec" not in r:
+                f.write(f"| {r['config']} | failed ({r['jobs_failed']} jobs, see failed.log) |||||||||||\n")
+                continue
+            budget = f" ({r['budget_gib'] * 1024:.0f} MiB)" if r["budget_gib"] else ""
+            if r["jobs_failed"]:
+                budget += f" ({r['jobs_ok']} of {r['jobs_ok'] + r['jobs_failed']} jobs; see failed.log)"
+            rec = f"{r['recompute_flops_frac']:+.0%}" if r["recompute_flops_frac"] != "" else ""
+            f.write(f"| {r['config']}{budget} | {r['images_per_sec']:.2f} ({r['images_per_sec_min']:.2f}-"
+                    f"{r['images_per_sec_max']:.2f}) | {r['step_ms']:.1f} | {r['mfu']:.1%} | {rec} | "
+                    f"{r['peak_alloc_mib']:.0f} | "
+                    + (f"{r['planned_peak_mib']:.0f} ({r['planned_error']:+.1%})" if "planned_peak_mib" in r else "")
+                    + f" | {r['setup_peak_mib']:.0f} | {mib(r['step_peak_mib'])} | {mib(r['activation_mib'])}"
+                    + (f" (+{r['forward_weights_mib']:.0f})" if r["forward_weights_mib"] else "") + " | "
+                    f"{r['max_rss_mib']:.0f} | {r['final_loss']:.5f} ({r['loss_rel_diff']}) |\n")
 
 
 def plot(path: str, suite: Suite, rows: list):

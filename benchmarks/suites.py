@@ -25,10 +25,11 @@ class Run:
     zero: int = 0  # deepspeed's stage
     reshard: bool = True  # fsdp2's reshard_after_forward
     compile: bool = False
+    micro: int = 0  # a micro-batch of its own (a suite with a global batch); 0: the shape's
 
     @property
     def name(self) -> str:
-        compiled = " + compile" if self.compile else ""
+        compiled = (" + compile" if self.compile else "") + (f" @ micro {self.micro}" if self.micro else "")
         if self.engine == "fsdp2":
             hf = {"hf:full": "HF full AC"}.get(self.ac, f"HF AC every {self.ac.split(':')[-1]}") \
                 if self.ac.startswith("hf:") else self.ac
@@ -53,6 +54,10 @@ class Suite:
     timeout_s: int = 600
     targets_shape: str = ""  # the shape the budget-race, memory and `auto` targets are checked on
     host: bool = False  # a host-overhead suite: its targets are on the time per step alone
+    # a micro-batch race (benchmarks/race.py): every run's micro-batch accumulates to this many images per
+    # step over the ranks; one screening repeat runs every configuration, then `repeats` confirmation repeats
+    # run the fastest few that fit each budget
+    global_batch: int = 0
     notes: list = field(default_factory=list)
 
 
@@ -68,6 +73,13 @@ def same_policy(policies, stage=3, compile=False):
     """Each policy under FSDP2 (resharding, as ZeRO-3 does) and under ZeRO-`stage`, side by side."""
     return [run for ac in policies for run in (fsdp2(ac, compile=compile), Run("deepspeed", ac, zero=stage,
                                                                                  compile=compile))]
+
+
+def micro_race(policies: list, micros: list) -> list:
+    """Each run of `policies` at each micro-batch of `micros`."""
+    from dataclasses import replace
+
+    return [replace(run, micro=m) for m in micros for run in policies]
 
 
 # Order matters only in the first repeat: plain FSDP2 and the fixed policies come first because the `auto`
@@ -100,6 +112,21 @@ SUITES = {
                     *zero(3, "none", compile=True), *same_policy(["selective", "full"], compile=True)]},
         repeats=5, profiled_steps=2, warmup_steps=5, timed_steps=30, timeout_s=300, targets_shape="vit-narrow",
         host=True),
+    # the micro-batch race on the host shape, where images/s rises with the micro-batch as on GPUs: 64 images
+    # per step, each configuration at micro-batches 4 to 32 (accumulating 8 to 1), one screening repeat, then
+    # five confirmation repeats of each side's fastest per budget (benchmarks/race.py)
+    "race": Suite(
+        shapes=[Shape("vit-narrow", 32, 4, 32, "ViT 24 blocks x width 64, 32x32 (65 tokens), 64 images per step")],
+        runs={"*": micro_race([fsdp2("none"), fsdp2("hf:full"), fsdp2("hf:every_n:2"), fsdp2("none", False),
+                               *zero(2, "none", "selective", "full"), *zero(3, "selective", "full")],
+                              [4, 8, 16, 32])},
+        global_batch=64, repeats=5, profiled_steps=2, warmup_steps=1, timed_steps=3, timeout_s=600,
+        targets_shape="vit-narrow"),
+    "race-smoke": Suite(
+        shapes=[Shape("vit-debug", 16, 0, 4, "vit-debug, 16x16, 8 images per step")],
+        runs={"*": micro_race([fsdp2("none"), fsdp2("hf:full"), *zero(3, "selective")], [2, 4])},
+        global_batch=8, repeats=1, profiled_steps=1, warmup_steps=0, timed_steps=1, timeout_s=180,
+        targets_shape="vit-debug"),
     "gpu": Suite(
         shapes=[Shape("vit-large", 224, 16, 32, "ViT-L/16, 224x224, batch 32 per GPU"),
                 Shape("vit-huge", 224, 14, 16, "ViT-H/14, 224x224, batch 16 per GPU"),
@@ -120,6 +147,19 @@ SUITES = {
         runs={"*": [*same_policy(["none", "selective", "full"]), *zero(2, "none", "selective", "full")]},
         repeats=1, profiled_steps=2, warmup_steps=1, timed_steps=2, ranks=1, timeout_s=120, targets_shape="vit-debug"),
 }
+
+
+def micro_and_accum(suite: Suite, shape: Shape, run: Run) -> tuple:
+    """A run's (micro-batch, accumulation steps): its own micro-batch accumulated to the suite's global batch,
+    or the shape's micro-batch, once."""
+    micro = run.micro or shape.micro_batch_size
+    if not suite.global_batch:
+        return micro, 1
+    accum, rest = divmod(suite.global_batch, micro * suite.ranks)
+    if rest or not accum:
+        raise ValueError(f"{run.name}: {suite.ranks} ranks x micro-batch {micro} do not divide the global batch "
+                         f"{suite.global_batch}")
+    return micro, accum
 
 
 def runs_of(suite: Suite, shape: Shape) -> list:

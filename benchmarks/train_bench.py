@@ -28,7 +28,8 @@ import torch
 from benchmarks.measure import (CPU_ALLOCATOR_ENV, REPO, calibrate, environment, gemm_gflops, gpu_peak_gflops,
                                 model_flops_per_image)
 from benchmarks.report import check_targets, compare, peak_of, plot, summarise, write_markdown
-from benchmarks.suites import SUITES, MiB, Run, Shape, Suite, fsdp2, runs_of
+from benchmarks.race import finalists, plot_race, race_markdown, race_targets
+from benchmarks.suites import SUITES, MiB, Run, Shape, Suite, fsdp2, micro_and_accum, runs_of
 from benchmarks.validate import write_validation
 from planner.calibration import median_calibration
 
@@ -53,8 +54,9 @@ def resolve_budget(run: Run, shape: Shape, measured: dict):
 
 def run_job(suite: Suite, shape: Shape, run: Run, budget_gib, repeat: int, threads: int, log_dir: str) -> dict:
     ac = f"auto:{budget_gib:.6f}" if budget_gib is not None else run.ac
+    micro, accum = micro_and_accum(suite, shape, run)
     spec = dict(engine=run.engine, model=shape.model, image_size=shape.image_size, patch_size=shape.patch_size,
-                micro_batch_size=shape.micro_batch_size, zero=run.zero or 3, ac=ac, reshard=run.reshard,
+                micro_batch_size=micro, grad_accum_steps=accum, zero=run.zero or 3, ac=ac, reshard=run.reshard,
                 profiled_steps=suite.profiled_steps, warmup_steps=suite.warmup_steps, timed_steps=suite.timed_steps,
                 count_flops=repeat == 0, compile=run.compile)
     result, tail = run_worker(spec, suite.ranks, threads, suite.timeout_s)
@@ -141,9 +143,15 @@ def main(argv=None):
     calibrations = {shape.label: [] for shape in suite.shapes}
     jobs = [(shape, run) for shape in suite.shapes for run in runs_of(suite, shape)]
     results, measured, budgets = [], {}, {}
-    bar = tqdm(total=(len(jobs) + len(suite.shapes)) * suite.repeats, desc=args.suite, dynamic_ncols=True)
+    # a micro-batch race screens every configuration once, then confirms the finalists (benchmarks/race.py)
+    repeats = suite.repeats + bool(suite.global_batch)
+    bar = tqdm(total=(len(jobs) + len(suite.shapes)) * repeats, desc=args.suite, dynamic_ncols=True)
     with open(os.path.join(out_dir, "runs.jsonl"), "w") as log:
-        for repeat in range(suite.repeats):
+        for repeat in range(repeats):
+            if suite.global_batch and repeat == 1:
+                chosen = {shape.label: finalists(suite, shape, results) for shape in suite.shapes}
+                jobs = [(shape, run) for shape, run in jobs if run.name in chosen[shape.label]]
+                bar.total = bar.n + (len(jobs) + len(suite.shapes)) * (repeats - 1)
             for shape in suite.shapes:
                 bar.set_postfix_str(f"calibrating the planner for {shape.model}")
                 try:
@@ -185,7 +193,7 @@ def write_report(out_dir: str, suite_name: str, suite: Suite, results: list, gem
     env = {k: v for k, v in saved_env.items() if k not in ("suite", "minutes", "model_flops_per_image")} \
         if saved_env else dict(environment(threads, gemm), calibration=calibrations or {})
     rows = summarise(results, suite.shapes, suite, flops, env["peak_gflops_per_rank"])
-    targets = check_targets(rows, suite, results)
+    targets = check_targets(rows, suite, results) + (race_targets(suite, rows, results) if suite.global_batch else [])
     columns = list(dict.fromkeys(k for r in rows for k in r))
     with open(os.path.join(out_dir, "results.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
@@ -194,8 +202,12 @@ def write_report(out_dir: str, suite_name: str, suite: Suite, results: list, gem
     with open(os.path.join(out_dir, "environment.json"), "w") as f:
         json.dump(dict(env, suite=suite_name, minutes=round(minutes, 1),
                        model_flops_per_image={k: v for k, v in flops.items()}), f, indent=1)
-    write_markdown(os.path.join(out_dir, "results.md"), suite_name, suite, rows, targets, env, minutes, results)
-    plot(os.path.join(out_dir, "pareto.png"), suite, rows)
+    write_markdown(os.path.join(out_dir, "results.md"), suite_name, suite, rows, targets, env, minutes, results,
+                   race_markdown(suite, rows, results) if suite.global_batch else "")
+    if suite.global_batch:
+        plot_race(os.path.join(out_dir, "race.png"), suite, rows, results)
+    else:
+        plot(os.path.join(out_dir, "pareto.png"), suite, rows)
     write_validation(out_dir, suite_name)  # plan.py's predictions against these rows: planner.md
     print(open(os.path.join(out_dir, "results.md")).read())
     failed = sum(r.get("jobs_failed", 0) for r in rows)

@@ -220,6 +220,12 @@ def zero3_gathered_bytes(module: torch.nn.Module) -> int:
                if getattr(p, "ds_status", ZeroParamStatus.NOT_AVAILABLE) != ZeroParamStatus.NOT_AVAILABLE)
 
 
+def is_compiled_in_place(module: torch.nn.Module) -> bool:
+    """Has `module.compile()` (torch.compile in place) compiled this module's calls?"""
+    _require("torch", "is_compiled_in_place")
+    return module._compiled_call_impl is not None
+
+
 def storage_id(t: torch.Tensor) -> int:
     """An identity of the storage behind `t`, the same for all its views, unique among live storages, and
     defined on the meta device too, where every data pointer is 0 (the address of torch's StorageImpl)."""

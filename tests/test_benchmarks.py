@@ -74,6 +74,30 @@ def test_cpu_smoke_suite(tmp_path):
             assert f"| {r['config']} | {float(r['planned_peak_mib']):.1f} |" in planner, r["config"]
 
 
+@pytest.mark.slow
+def test_race_smoke_suite(tmp_path):
+    """The micro-batch race end to end: every configuration screened once, the finalists confirmed, each job
+    accumulating its micro-batches to the global batch."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.train_bench", "--suite", "race-smoke", "--out",
+                           str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = [json.loads(line) for line in open(tmp_path / "runs.jsonl")]
+    screened = {r["run"] for r in runs if r["repeat"] == 0}
+    assert len(screened) == 6 and not any("error" in r for r in runs)
+    confirmed = {r["run"] for r in runs if r["repeat"] == 1}
+    assert confirmed <= screened and {"FSDP2 + none @ micro 4", "FSDP2 + HF full AC @ micro 4"} <= confirmed
+    for r in runs:  # 8 images per step over 2 ranks: micro 2 accumulates 2, micro 4 once
+        micro = int(r["run"].rsplit(" ", 1)[1])
+        assert (r["spec"]["micro_batch_size"], r["spec"]["grad_accum_steps"]) == (micro, 8 // (2 * micro))
+        assert r["images_per_sec"] == pytest.approx(8 * len(r["step_seconds"]) / sum(r["step_seconds"]))
+    # a step's images do not depend on how it is cut: every micro-batch and policy reaches the same loss
+    rows = list(csv.DictReader(open(tmp_path / "results.csv")))
+    assert all(float(r["loss_rel_diff"]) < 1e-5 for r in rows)
+    md = (tmp_path / "results.md").read_text()
+    assert "## The micro-batch race" in md and "Micro-batch race, vit-debug" in md
+    assert (tmp_path / "race.png").stat().st_size > 20_000
+
+
 def test_worker_refuses_a_job_without_timed_steps(tmp_path):
     # its profiler stops when the first timed step starts: without one it would fail inside the profiler
     proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_worker", "--spec", json.dumps({"timed_steps": 0}),
@@ -164,3 +188,60 @@ def test_a_figure_not_measured_is_absent_not_zero():
     assert median_mib([{"activation_bytes": [0], "device": "cuda"}], "activation_bytes") == ""  # an older GPU job
     assert median_mib(cpu, "activation_bytes") == 4.5 and median_mib(gpu, "activation_bytes") == ""
     assert mib(median_mib(gpu, "activation_bytes")) == "" and mib(4.5) == "4"
+
+
+def _race_results(speeds: dict, peaks: dict, repeats: int) -> list:
+    """Jobs as train_bench records them: {config: images/s per repeat}, {config: peak MiB}."""
+    return [{"shape": "s", "run": name, "repeat": k, "images_per_sec": speeds[name][k],
+             "peak_alloc_bytes": [int(peaks[name] * 2**20)] * 2} for name in speeds for k in range(repeats)
+            if k < len(speeds[name])]
+
+
+def test_micro_race_confirms_the_fastest_that_fit_and_judges_them_on_the_confirmation_repeats():
+    from benchmarks.race import budgets, finalists, race_rows, race_targets
+    from benchmarks.suites import Shape, Suite, fsdp2, micro_race, zero
+
+    shape = Shape("m", 16, 0, 4, "s")
+    suite = Suite(shapes=[shape], runs={"*": micro_race([fsdp2("none"), fsdp2("hf:full"), fsdp2("hf:every_n:2"),
+                                                         *zero(3, "selective")], [2, 4])},
+                  global_batch=8, targets_shape="m")
+    peaks = {"FSDP2 + none @ micro 2": 60, "FSDP2 + none @ micro 4": 100, "FSDP2 + HF full AC @ micro 2": 15,
+             "FSDP2 + HF full AC @ micro 4": 20, "FSDP2 + HF AC every 2 @ micro 2": 30,
+             "FSDP2 + HF AC every 2 @ micro 4": 50, "ZeRO-3 + selective @ micro 2": 40,
+             "ZeRO-3 + selective @ micro 4": 55}
+    # budgets from HF full AC's peak to plain FSDP2's, at the largest micro-batch: 20, 40, 60, 80, 100
+    assert [b for _, b in budgets(suite, shape, peaks)] == [20, 40, 60, 80, 100]
+    screen = {"FSDP2 + none @ micro 2": [10], "FSDP2 + none @ micro 4": [14], "FSDP2 + HF full AC @ micro 2": [6],
+              "FSDP2 + HF full AC @ micro 4": [9], "FSDP2 + HF AC every 2 @ micro 2": [7],
+              "FSDP2 + HF AC every 2 @ micro 4": [8], "ZeRO-3 + selective @ micro 2": [11],
+              "ZeRO-3 + selective @ micro 4": [13]}
+    results = _race_results(screen, peaks, 1)
+    # per budget, each side's two fastest that fit: every-2 at micro 4 (8 img/s, 50 MiB) is never among them
+    # (at 60 MiB: none@2's 10 and full@4's 9); the two that set the budgets always are
+    assert finalists(suite, shape, results) == set(peaks) - {"FSDP2 + HF AC every 2 @ micro 4"}
+    # the confirmation repeats judge: selective@4 against plain none@2 at the midpoint, paired per repeat; the
+    # screening repeat's 13/10 is not among them
+    confirm = {k: v + [v[0]] * 5 for k, v in screen.items()}
+    confirm["ZeRO-3 + selective @ micro 4"] = [13, 12, 12.5, 12, 13, 12.5]
+    confirm["FSDP2 + none @ micro 2"] = [10, 10, 10, 10, 10, 10]
+    results = _race_results(confirm, peaks, 6)
+    rows = [{"shape": "s", "config": k, "images_per_sec": 1.0, "peak_alloc_mib": v} for k, v in peaks.items()]
+    mid = next(e for e in race_rows(suite, rows, results) if e["fraction"] == 0.5)
+    assert (mid["plain"], mid["ours"], mid["budget_mib"]) == ("FSDP2 + none @ micro 2", "ZeRO-3 + selective @ micro 4",
+                                                              60)
+    ratio = mid["ours_ratio"]
+    assert ratio[3] == 5 and ratio[0] == pytest.approx((12 * 12.5 * 12 * 13 * 12.5) ** 0.2 / 10)
+    (name, verdict, figures), = race_targets(suite, rows, results)
+    assert verdict is True and "ZeRO-3 + selective @ micro 4" in figures  # 1.24x, its interval above 1.15
+    # a budget nothing of this project fits: the lowest
+    low = next(e for e in race_rows(suite, rows, results) if e["fraction"] == 0.0)
+    assert low["ours"] is None and low["plain"] == "FSDP2 + HF full AC @ micro 4"
+
+
+def test_a_micro_batch_that_does_not_divide_the_global_batch_is_refused():
+    from benchmarks.suites import Run, Shape, Suite, micro_and_accum
+
+    suite = Suite(shapes=[], runs={}, global_batch=64, ranks=2)
+    assert micro_and_accum(suite, Shape("m", 16, 0, 4, "s"), Run("fsdp2", "none", micro=8)) == (8, 4)
+    with pytest.raises(ValueError, match="do not divide the global batch 64"):
+        micro_and_accum(suite, Shape("m", 16, 0, 4, "s"), Run("fsdp2", "none", micro=12))

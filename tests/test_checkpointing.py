@@ -290,6 +290,31 @@ def test_selective_composes_with_bf16_and_grad_accumulation(debug_args, tmp_path
     assert json.loads((tmp_path / "ds_config.json").read_text())["bf16"]["enabled"] is True
 
 
+COMPILED_POLICIES = [("deepspeed", ac) for ac in ("none", "full", "every_n:2", "selective", "hierarchical",
+                                                   "auto:0.004")] + \
+    [("fsdp2", ac) for ac in ("none", "full", "selective", "hf:full", "hf:every_n:2")]
+
+
+@pytest.mark.slow  # each compiled job compiles for 20-40 s on 2 cores: ~8 min
+def test_compile_keeps_the_losses_of_eager_under_both_engines_and_every_policy():
+    """The benchmark worker (train.py's wrapping for DeepSpeed ZeRO-3; FSDP2 with each block compiled in place)
+    on 2 ranks, compiled, at every checkpointing policy: the losses of 4 steps equal eager's to fp32 rounding
+    (inductor fuses and orders the arithmetic its own way)."""
+    from benchmarks.train_bench import run_worker
+
+    base = dict(model="vit-debug", image_size=16, micro_batch_size=8, zero=3, profiled_steps=1, timed_steps=3,
+                count_flops=False)
+    eager, tail = run_worker(dict(base, engine="fsdp2", ac="none"), 2, 1, 300)
+    assert not tail and not eager["compiled"], tail
+    for engine, ac in COMPILED_POLICIES:
+        result, tail = run_worker(dict(base, engine=engine, ac=ac, compile=True), 2, 1, 600)
+        assert not tail, f"{engine} {ac}: {tail}"
+        assert result["compiled"], f"{engine} {ac}"
+        assert result["losses"] == pytest.approx(eager["losses"], rel=1e-5), f"{engine} {ac}"
+        if ac.startswith("auto"):  # the budget chose a mix, not one policy everywhere
+            assert len(set(result["ac_plan"]["blocks"])) > 1, result["ac_plan"]
+
+
 @pytest.mark.slow  # torch.compile on 2 CPU cores compiles for most of a minute
 def test_compile_composes_with_selective_under_zero3(debug_args, tmp_path):
     """`compile: true` (DeepSpeed's engine.compile()) over selective checkpointing and ZeRO-3's hooks: 2 ranks,

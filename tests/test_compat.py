@@ -35,7 +35,8 @@ class OpLog(TorchDispatchMode):
     (compat.param_ndim, (None,)), (compat.is_zero3_partitioned, (None,)), (compat.dispatch_mode_class, ()),
     (compat.op_packet, (None,)), (compat.attention_kernels, ()), (compat.internal_copy_and_view_ops, ()),
     (compat.view_base, (None,)), (compat.hf_init_module, (None, None)), (compat.quiet_deepspeed_deprecations, ()),
-    (compat.zero3_hpz_ranks, (None,)), (compat.universal_load_keeps_group_settings, (None,))])
+    (compat.zero3_hpz_ranks, (None,)), (compat.universal_load_keeps_group_settings, (None,)),
+    (compat.is_compiled_in_place, (None,))])
 def test_each_function_refuses_another_version(monkeypatch, function, args):
     monkeypatch.setattr(compat, "SUPPORTED", {k: ((0, 0), (0, 1)) for k in compat.SUPPORTED})
     with pytest.raises(compat.CompatError, match=rf"compat.py:{function.__name__} relies on (torch|deepspeed|transformers) "
@@ -166,3 +167,10 @@ def test_hf_init_module_initialises_one_module():
     torch.nn.init.zeros_(layer.weight)
     compat.hf_init_module(model, layer)
     assert layer.weight.std() > 0
+
+
+def test_compiling_in_place_is_seen():
+    module = torch.nn.Linear(2, 2)
+    assert not compat.is_compiled_in_place(module)
+    module.compile()  # nothing is compiled before the first call
+    assert compat.is_compiled_in_place(module)
