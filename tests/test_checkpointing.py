@@ -291,7 +291,7 @@ def test_selective_composes_with_bf16_and_grad_accumulation(debug_args, tmp_path
 
 
 COMPILED_POLICIES = [("deepspeed", ac) for ac in ("none", "full", "every_n:2", "selective", "hierarchical",
-                                                   "auto:0.004")] + \
+                                                   "auto:0.0015")] + \
     [("fsdp2", ac) for ac in ("none", "full", "selective", "hf:full", "hf:every_n:2")]
 
 
