@@ -13,7 +13,7 @@ does not also judge it.
 """
 import statistics
 
-from benchmarks.report import fmt_ratio, judged, paired_ratio, straddles
+from benchmarks.report import by_repeat, fmt_ratio, judged, paired_ratio, peak_of, straddles
 from benchmarks.suites import MiB, Run, Suite, runs_of
 
 FINALISTS = 2  # per side and budget
@@ -42,7 +42,7 @@ def budgets(suite: Suite, shape, peaks: dict) -> list:
 
 def screening(results: list, shape_label: str) -> dict:
     """{config: (peak MiB, images/s)} from the screening repeat (repeat 0)."""
-    return {r["run"]: (max(r["peak_alloc_bytes"]) / MiB, r["images_per_sec"]) for r in results
+    return {r["run"]: (peak_of(r) / MiB, r["images_per_sec"]) for r in results
             if r["shape"] == shape_label and r["repeat"] == 0 and "error" not in r}
 
 
@@ -63,8 +63,7 @@ def finalists(suite: Suite, shape, results: list) -> set:
 
 def confirmed(results: list, shape_label: str, config: str) -> dict:
     """{repeat: images/s} of a configuration's confirmation repeats."""
-    return {r["repeat"]: r["images_per_sec"] for r in results
-            if r["shape"] == shape_label and r["run"] == config and r["repeat"] > 0 and "error" not in r}
+    return {k: v for k, v in by_repeat(results, shape_label, config, lambda r: r["images_per_sec"]).items() if k > 0}
 
 
 def race_rows(suite: Suite, rows: list, results: list) -> list:
