@@ -46,7 +46,9 @@ def cluster_args(argv):
     parser.add_argument("--calibrate", metavar="JSON",
                         help="measure here what a plan of this configuration assumes (its operators' FLOP rate and "
                              "bandwidth at this micro-batch, the memory and, under torchrun, the all-gather "
-                             "bandwidth) and write it to JSON")
+                             "bandwidth; the engine's host seconds per block and per step) and write it to JSON")
+    parser.add_argument("--no_host_probe", action="store_true",
+                        help="--calibrate without the host probe (the engine's seconds per block and per step)")
     parser.add_argument("--calibration", metavar="JSON",
                         help="plan with what --calibrate measured, in place of --mfu, --mbu, --device_mem_gbs and "
                              "--intra_gbs (a --global_batch search then tries only the calibrated micro-batch)")
@@ -98,6 +100,13 @@ def describe(e: dict) -> str:
              f"{e['assumptions']['overlap']:.0%} hidden)"
              + (f" + offload {e['offload']['offload_s'] * 1e3:.1f} ms" if e["offload"]["offload_s"] else "")
              + f" | {e['images_per_s']:.0f} images/s"]
+    h = e["host"]
+    lines.append(f"host: {h['micro_s'] * 1e3:.1f} ms per micro-batch "
+                 + ("measured (--calibration)" if h["measured"] else f"assumed ({e['assumptions']['op_overhead_s'] * 1e6:g} "
+                    f"us per operator)")
+                 + f" against the device's {h['device_micro_s'] * 1e3:.1f} ms: "
+                 + (f"HOST-BOUND; micro-batch {h['saturating_micro_batch']} would keep the device busy" if h["bound"]
+                    else f"the device is the bound (it stays busy from micro-batch {h['saturating_micro_batch']})"))
     off = e["offload"]
     if off["optimizer"] or off["params"]:
         what = " and ".join(w for w, on in (("optimizer states", off["optimizer"]), ("weights", off["params"])) if on)
@@ -174,35 +183,39 @@ def write_plan(best: dict, cfg, ds_config: dict, out: str, a):
                   f"--ds_config {out}/ds_config.json\n")
 
 
-def run_calibration(cfg, precision: str, out: str) -> int:
-    """--calibrate: every rank of the launch (one without a launcher) measures at once; rank 0 writes the
-    slowest rank's figures. Needs the device it calibrates: a GPU for bf16 plans, the CPU for fp32 ones."""
+def run_calibration(cfg, precision: str, out: str, host: bool = True) -> int:
+    """--calibrate: every rank of the launch (a one-rank group without a launcher) measures at once; rank 0
+    writes the slowest rank's figures. Needs the device it calibrates: a GPU for bf16 plans, the CPU for fp32
+    ones."""
     import torch
     import torch.distributed as dist
 
-    from engine.distributed import exit_distributed, flush_cpu_denormals, init_distributed
+    from engine.distributed import exit_distributed, free_port, init_distributed
     from planner.calibration import calibrate, slowest
 
     if precision != "fp32" and not torch.cuda.is_available():
         raise ConfigError(f"calibrating {precision} needs the GPU it would run on; on CPU, calibrate fp32")
-    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    device = init_distributed(int(os.environ.get("LOCAL_RANK", 0))) if launched else \
-        torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not launched and device.type == "cpu":
-        flush_cpu_denormals()  # as init_distributed does for a launch
+    if "WORLD_SIZE" not in os.environ:  # the host probe runs the engine, which needs a process group
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+    device = init_distributed(int(os.environ.get("LOCAL_RANK", 0)))
     from tqdm import tqdm
 
-    bar = tqdm(desc=f"replaying {cfg.model}'s operators", unit="op", disable=launched and dist.get_rank() != 0)
+    quiet = dist.get_rank() != 0
+    bars = {}
 
-    def progress(done: int, total: int):
-        bar.total = total
-        bar.update(done - bar.n)
-    mine = calibrate(cfg, precision, device, progress)
-    bar.close()
-    per_rank = [None] * dist.get_world_size() if launched else [mine]
-    if launched:
-        dist.all_gather_object(per_rank, mine)
-    if not launched or dist.get_rank() == 0:
+    def progress_of(desc: str, unit: str):
+        def progress(done: int, total: int):
+            bar = bars.get(desc) or bars.setdefault(desc, tqdm(desc=desc, unit=unit, total=total, disable=quiet))
+            bar.update(done - bar.n)
+            if done >= total:
+                bar.close()
+        return progress
+    mine = calibrate(cfg, precision, device, progress_of(f"replaying {cfg.model}'s operators", "op"), host=host,
+                     host_progress=progress_of("probing the host (2 depths x 3 ZeRO stages x 3 policies)", "run"))
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, mine)
+    if dist.get_rank() == 0:
         result = slowest(per_rank)
         with open(out, "w") as f:
             json.dump(result, f, indent=1)
@@ -210,10 +223,16 @@ def run_calibration(cfg, precision: str, out: str) -> int:
               f"operators {result['flops_per_s'] / 1e9:.1f} GFLOP/s and {result['bytes_per_s'] / 1e9:.1f} GB/s, "
               f"streaming {result['stream_gbs']:.1f} GB/s, all-gather {result['comm_gbs']:.2f} GB/s per rank"
               + (f"; {len(result['failed_ops'])} operators did not replay" if result["failed_ops"] else "")
+              + (f"; host per block (ZeRO-3, none) {host_block_ms(result['host']):.1f} ms" if result["host"] else "")
               + f": {out}")
-    if launched:
-        exit_distributed(0)
-    return 0
+    exit_distributed(0)
+
+
+def host_block_ms(host: dict) -> float:
+    from planner.host import host_seconds
+
+    stage = max(int(s) for s in host["stages"])
+    return 1e3 * host_seconds(host, stage, ["none"], serial=False)["per_block_s"]["none"]
 
 
 def load_calibration(path: str, cfg, precision: str) -> dict:
@@ -255,7 +274,7 @@ def main(argv=None):
         cfg = parse(rest)
         precision = cfg.precision if cfg.precision != "auto" else ("bf16" if a.device != "cpu" else "fp32")
         if a.calibrate:
-            return run_calibration(cfg, precision, a.calibrate)
+            return run_calibration(cfg, precision, a.calibrate, host=not a.no_host_probe)
         device = device_of(a)
         if a.world_size < 1 or a.ranks_per_node < 1:
             raise ConfigError("world_size and ranks_per_node must be at least 1")

@@ -40,7 +40,10 @@ def variants(stage: int, hidden: int) -> dict:
                 "buckets of one block": {"zero_optimization.reduce_bucket_size": block,
                                          "zero_optimization.stage3_prefetch_bucket_size": block},
                 "live parameters: 4 blocks": {"zero_optimization.stage3_max_live_parameters": 4 * block},
-                "overlap_comm on": {"zero_optimization.overlap_comm": True}}
+                "overlap_comm on": {"zero_optimization.overlap_comm": True},
+                # small tensors (biases, norms) are gathered with their block instead of kept whole; whole ones
+                # are all-gathered again after every optimizer step, one collective per tensor
+                "no persistent parameters": {"zero_optimization.stage3_param_persistence_threshold": 0}}
     return {**common,
             "overlap_comm on": {"zero_optimization.overlap_comm": True},
             "buckets of one block": {"zero_optimization.reduce_bucket_size": block,
@@ -68,6 +71,7 @@ def main(argv=None):
     parser.add_argument("--shape", choices=sorted(SHAPES), default="vit-s")
     parser.add_argument("--stages", default="2,3", help="ZeRO stages, comma-separated")
     parser.add_argument("--ac", default="none", help="the checkpointing policy every job runs")
+    parser.add_argument("--variants", default="", help="only these variants (names, comma-separated)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--out", default="", help="default: benchmarks/results/ds-tuning-<shape>")
@@ -85,8 +89,10 @@ def main(argv=None):
     started, results = time.perf_counter(), []
     gemm = gemm_gflops(threads)
     with tempfile.TemporaryDirectory() as tmp, open(os.path.join(args.out, "runs.jsonl"), "w") as log:
+        chosen = set(args.variants.split(",")) if args.variants else None
         jobs = [(stage, name, template(stage, values, tmp, i) if values else "")
-                for stage in stages for i, (name, values) in enumerate({SHIPPED: {}, **variants(stage, hidden)}.items())]
+                for stage in stages for i, (name, values) in enumerate({SHIPPED: {}, **variants(stage, hidden)}.items())
+                if chosen is None or name in chosen or name == SHIPPED]
         bar = tqdm(total=len(jobs) * args.repeats, desc="ds_tuning", dynamic_ncols=True)
         for repeat in range(args.repeats):
             for stage, name, path in (jobs if repeat % 2 == 0 else jobs[::-1]):
@@ -124,7 +130,8 @@ def main(argv=None):
                      f"{'' if name == SHIPPED else fmt_ratio(peak)} | {args.repeats - len(ok)} |" if ok
                      else f"| {stage} | {name} | | | | | {args.repeats} |")
     lines += ["", "The variants' values: " + "; ".join(
-        f"ZeRO-{s}: {n}: {json.dumps(v)}" for s in stages for n, v in variants(s, hidden).items())]
+        f"ZeRO-{s}: {n}: {json.dumps(v)}" for s in stages for n, v in variants(s, hidden).items()
+        if any(j[:2] == (s, n) for j in jobs))]
     with open(os.path.join(args.out, "report.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -47,9 +47,10 @@ def memory_gbs(threads: int, reps: int = 5) -> list:
 
 
 def calibrate(model: str, image_size: int, patch_size: int, micro_batch_size: int, num_labels: int, ranks: int,
-              threads: int, precision: str = "fp32", timeout_s: int = 600) -> dict:
+              threads: int, precision: str = "fp32", timeout_s: int = 600, host: bool = True) -> dict:
     """`plan.py --calibrate` of one shape under torchrun with the suite's ranks and threads: the planner's
-    figures for it, measured with every rank running as in a suite's job (planner/calibration.py)."""
+    figures for it, measured with every rank running as in a suite's job (planner/calibration.py); `host`: with
+    the host probe (planner/host.py)."""
     from engine.distributed import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -57,7 +58,8 @@ def calibrate(model: str, image_size: int, patch_size: int, micro_batch_size: in
         cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", str(ranks),
                "--master_port", str(free_port()), os.path.join(REPO, "plan.py"), "--calibrate", out, "--model", model,
                "--image_size", str(image_size), "--patch_size", str(patch_size), "--micro_batch_size",
-               str(micro_batch_size), "--num_labels", str(num_labels), "--precision", precision]
+               str(micro_batch_size), "--num_labels", str(num_labels), "--precision", precision,
+               *([] if host else ["--no_host_probe"])]
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore", **CPU_ALLOCATOR_ENV)
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
         if proc.returncode != 0 or not os.path.exists(out):
@@ -104,16 +106,20 @@ def model_flops_per_image(shape: Shape) -> float:
     return counter.get_total_flops() / 2
 
 
+def cpu_name() -> str:
+    """This machine's CPU model, as /proc/cpuinfo names it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
 def environment(threads: int, gemm: list) -> dict:
     import deepspeed
     import transformers
 
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_name()
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
                                 check=True).stdout.strip()

@@ -157,7 +157,7 @@ def main(argv=None):
                 try:
                     calibrations[shape.label].append(calibrate(
                         shape.model, shape.image_size, shape.patch_size, shape.micro_batch_size, 10, suite.ranks,
-                        threads, "bf16" if torch.cuda.is_available() else "fp32"))
+                        threads, "bf16" if torch.cuda.is_available() else "fp32", host=repeat == 0))
                 except (RuntimeError, subprocess.TimeoutExpired) as e:  # benchmarks.validate measures it instead
                     print(f"warning: {str(e).splitlines()[0]}", file=sys.stderr)
                 bar.update()

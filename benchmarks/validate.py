@@ -16,12 +16,15 @@ import statistics
 import torch
 
 from benchmarks.bench_worker import Spec, run_config
-from benchmarks.measure import calibrate as calibrate_job, memory_gbs
+from benchmarks.measure import calibrate as calibrate_job, cpu_name, memory_gbs
 from engine.ds_config import build_ds_config
 from planner.calibration import CALIBRATION_RATES, calibrated
 from planner.devices import Device
 from planner.estimate import estimate
 from models.registry import model_config
+
+
+STEP_TOLERANCE = 0.25  # what the planner's calibrated step time is held to on the measured suites
 
 
 def validate(results_csv: str, mfu: float = 1.0, intra_gbs: float = 10.0, save: bool = False) -> list:
@@ -30,9 +33,10 @@ def validate(results_csv: str, mfu: float = 1.0, intra_gbs: float = 10.0, save: 
     measured peak memory and step time and the errors. Two step times: `assumed`, every FLOP at the GEMM rate
     measured in the run (`mfu` of it), memory-bound operators at a streaming add's bandwidth and the ranks'
     collectives at `intra_gbs`; and `calibrated`, each shape's own calibration (calibrate(): its operators'
-    rates and the all-gather bandwidth, measured with all ranks running), recorded in the run or, for a run
-    that did not record one, in calibration.json beside it, or else measured now on this machine (and, with
-    `save`, written there, dated, so that the validation's figures can be reproduced)."""
+    rates, the all-gather bandwidth and the engine's host seconds (planner/host.py), measured with all ranks
+    running), recorded in the run or, for a run that did not record one (or its host probe), in
+    calibration.json beside it, or else measured now on this machine (and, with `save`, written there, dated,
+    so that the validation's figures can be reproduced)."""
     folder = os.path.dirname(os.path.abspath(results_csv))
     with open(results_csv) as f:
         # eager rows only: the planner models the eager step (a compiled one fuses what it counts)
@@ -55,6 +59,9 @@ def validate(results_csv: str, mfu: float = 1.0, intra_gbs: float = 10.0, save: 
     for shape, c in saved.items():
         if shape not in calibrations:
             calibrations[shape], sources[shape] = c, f"measured at validation on {c['date']}"
+        elif not calibrations[shape].get("host") and c.get("host"):  # a run from before the host probe
+            calibrations[shape] = {**calibrations[shape], "host": c["host"]}
+            sources[shape] += f"; the host probed at validation on {c.get('host_date', c['date'])}"
     added = {}
     out = []
     for row in rows:
@@ -76,11 +83,23 @@ def validate(results_csv: str, mfu: float = 1.0, intra_gbs: float = 10.0, save: 
             ds_config["optimizer"]["params"]["fused"] = False
             ds_config["zero_optimization"].pop("sub_group_size", None)
         assumed = estimate(cfg, ds_config, precision, world, world, device, mfu, mbu=1.0)
-        if row["shape"] not in calibrations:
-            added[row["shape"]] = calibrations[row["shape"]] = dict(
-                calibrate_job(cfg.model, cfg.image_size, cfg.patch_size, cfg.micro_batch_size, cfg.num_labels,
-                              world, threads, precision), date=datetime.date.today().isoformat())
-            sources[row["shape"]] = f"measured at validation on {calibrations[row['shape']]['date']}"
+        # a run without a host probe is probed now only on a CPU of the model it ran on (the host's speed is the
+        # CPU's); on another, its step is predicted without the host, as before the probe
+        here = not env.get("gpu") and env.get("cpu") == cpu_name()
+        if row["shape"] in calibrations and not calibrations[row["shape"]].get("host") and not here:
+            if "host" not in sources[row["shape"]]:
+                sources[row["shape"]] += f"; no host probe (the run's CPU is not this machine's, {cpu_name()})"
+        elif not (calibrations.get(row["shape"]) or {}).get("host"):
+            now = dict(calibrate_job(cfg.model, cfg.image_size, cfg.patch_size, cfg.micro_batch_size, cfg.num_labels,
+                                     world, threads, precision), date=datetime.date.today().isoformat())
+            # saved with the rates it was used with: the run's own stay in environment.json
+            added[row["shape"]] = {**(saved.get(row["shape"]) or now), "host": now["host"], "host_date": now["date"]}
+            if row["shape"] in calibrations:  # the run's rates, with the host probed now
+                calibrations[row["shape"]] = {**calibrations[row["shape"]], "host": now["host"]}
+                sources[row["shape"]] += f"; the host probed at validation on {now['date']}"
+            else:
+                calibrations[row["shape"]] = now
+                sources[row["shape"]] = f"measured at validation on {now['date']}"
         calibration = calibrations[row["shape"]]
         cal_device, rates = calibrated(device, calibration)
         est = estimate(cfg, ds_config, precision, world, world, cal_device, mbu=1.0, rates=rates)
@@ -91,6 +110,8 @@ def validate(results_csv: str, mfu: float = 1.0, intra_gbs: float = 10.0, save: 
                     "peak_error": est["peak_bytes"] / measured_peak - 1, "step_measured": step_s,
                     "step_predicted": est["step_s"], "step_error": est["step_s"] / step_s - 1,
                     "compute_s": est["compute_s"], "memory_bound_s": est["memory_bound_s"], "comm_s": est["comm_s"],
+                    "host_micro_s": est["host"]["micro_s"], "host_bound": est["host"]["bound"],
+                    "micro_batch_size": cfg.micro_batch_size, "grad_accum_steps": cfg.grad_accum_steps,
                     "step_assumed": assumed["step_s"], "step_error_assumed": assumed["step_s"] / step_s - 1,
                     "mem_gbs": mem_gbs, "mem_gbs_source": "measured in the run" if env.get("mem_gbs_per_rank")
                     else "measured at validation",
@@ -108,18 +129,21 @@ def validation_table(rows: list) -> str:
     """plan.py's predictions against a benchmark suite's measurements, as a markdown table and a summary line."""
     if not rows:
         return "no DeepSpeed rows to compare"
-    lines = ["| shape | configuration | peak MiB predicted | measured | error | step s calibrated (compute, of it "
-             "memory-bound; communication) | assumed | measured | error calibrated | error assumed |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | configuration | peak MiB predicted | measured | error | step s calibrated (compute with "
+             "host, of it memory-bound; communication) | host s per micro-batch | assumed | measured | error "
+             "calibrated | error assumed |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['config']} | {r['peak_predicted'] / 2**20:.1f} | "
                      f"{r['peak_measured'] / 2**20:.1f} | {r['peak_error']:+.1%} | {r['step_predicted']:.3f} "
-                     f"({r['compute_s']:.3f}, {r['memory_bound_s']:.3f}; {r['comm_s']:.3f}) | {r['step_assumed']:.3f} | "
+                     f"({r['compute_s']:.3f}, {r['memory_bound_s']:.3f}; {r['comm_s']:.3f}) | {r['host_micro_s']:.3f}"
+                     f"{' (bound)' if r['host_bound'] else ''} | {r['step_assumed']:.3f} | "
                      f"{r['step_measured']:.3f} | {r['step_error']:+.1%} | {r['step_error_assumed']:+.1%} |")
     worst_peak = max(rows, key=lambda r: abs(r["peak_error"]))
     worst_step = max(rows, key=lambda r: abs(r["step_error"]))
     worst_assumed = max(rows, key=lambda r: abs(r["step_error_assumed"]))
-    return ("\n".join(lines) + f"\n\n{len(rows)} rows; largest peak error {worst_peak['peak_error']:+.1%} "
+    within = sum(abs(r["step_error"]) <= STEP_TOLERANCE for r in rows)
+    return ("\n".join(lines) + f"\n\n{len(rows)} rows, {within} with the calibrated step within "
+            f"{STEP_TOLERANCE:.0%}; largest peak error {worst_peak['peak_error']:+.1%} "
             f"({worst_peak['config']}, {worst_peak['shape']}); largest step-time error calibrated "
             f"{worst_step['step_error']:+.1%} ({worst_step['config']}, {worst_step['shape']}), assumed "
             f"{worst_assumed['step_error_assumed']:+.1%} ({worst_assumed['config']}, {worst_assumed['shape']})")
@@ -154,8 +178,10 @@ def write_validation(results_dir: str, suite_name: str):
                 f"`python -m benchmarks.validate {os.path.relpath(results_dir)}/results.csv`. Two step times per row:\n\n"
                 f"- **calibrated**: what `plan.py --calibrate` measured for the shape with every rank running (the "
                 f"model's own operators replayed forward and backward at the micro-batch, the optimizer's streaming "
-                f"bandwidth, the all-gather bandwidth between the ranks), in the planner's step model; a suite "
-                f"calibrates at the start of each repeat and uses the median (the range in brackets);\n"
+                f"bandwidth, the all-gather bandwidth between the ranks, and the engine's host seconds per block "
+                f"and per step, probed on the model's structure at width 32: planner/host.py), in the planner's "
+                f"step model; a suite calibrates at the start of each repeat and uses the median (the range in "
+                f"brackets), and probes the host once;\n"
                 f"- **assumed**: every FLOP at the 2048^3 GEMM rate measured in the run, memory-bound operators at "
                 f"a streaming add's bandwidth, the collectives at 10 GB/s.\n\n"
                 f"{calibration_table(rows) if rows else ''}\n\n{validation_table(rows)}\n")

@@ -1,4 +1,6 @@
 """Per-rank peak memory by part and the step time of one configuration on a cluster."""
+import math
+
 from ac.budget import plan_figures
 from ac.policies import choose_plan
 from ac.profile import profile_model
@@ -7,6 +9,7 @@ from engine.ds_config import DTYPES
 from engine.memory import offloaded, offloaded_bytes, zero_memory_bytes, zero_memory_parts
 from models.blocks import Block
 from planner.devices import ALLOCATOR_MARGIN, DEFAULT_MBU, DEFAULT_MFU, RESERVED_GIB, Device, target
+from planner.host import host_seconds
 
 
 GiB = 2**30
@@ -69,7 +72,10 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
     reads the output gradient and its saved inputs and writes the input gradient), the recomputed blocks'
     cheap operators again, and the optimizer step over the rank's partition. `rates`: {"flops_per_s",
     "bytes_per_s"} that this model's operators reached at this micro-batch (calibrate()), in place of `mfu` of the
-    device's peak and `mbu` of its bandwidth (the optimizer's stream stays at `mbu` of the device's bandwidth)."""
+    device's peak and `mbu` of its bandwidth (the optimizer's stream stays at `mbu` of the device's bandwidth),
+    and "host", the engine's host seconds probed by the calibration (planner/host.py): charged per micro-batch
+    after the operators on a CPU, beside them (the longer of the two) on a GPU. Without it the host is a launch
+    cost per operator, `device.op_overhead_s`."""
     prof, n_params, largest = measured or profile_model(cfg, target(device), DTYPES[precision])
     fwd_flops, n_ops = prof.forward_flops / cfg.micro_batch_size, prof.ops
     parts = zero_memory_parts(n_params, cfg.zero_stage, world_size, precision, ds_config)
@@ -91,11 +97,26 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
     flop_rate, model_bandwidth = (rates["flops_per_s"], rates["bytes_per_s"]) if rates else (device.flops * mfu,
                                                                                            bandwidth)
     memory_s = moved * cfg.grad_accum_steps / model_bandwidth + optimizer_moved / bandwidth
-    # a micro-batch takes its FLOPs' and its memory traffic's time, or, if longer, the host's time to launch its
-    # operators (the backward about twice the forward's), which the device cannot outrun
-    micro_s = max(flops / cfg.grad_accum_steps / flop_rate + moved / model_bandwidth,
-                  3 * n_ops * device.op_overhead_s)
-    compute_s = micro_s * cfg.grad_accum_steps + optimizer_moved / bandwidth
+    device_micro_s = flops / cfg.grad_accum_steps / flop_rate + moved / model_bandwidth
+    optimizer_s = optimizer_moved / bandwidth
+    probed = (rates or {}).get("host")
+    if probed:  # the engine's host seconds, measured (planner/host.py)
+        serial = target(device) == "cpu"
+        host = host_seconds(probed, cfg.zero_stage, plan, serial)
+        host_micro_s = host["micro_s"]
+        if serial:  # the CPU runs the host's work and the operators one after the other
+            micro_s, optimizer_s = device_micro_s + host_micro_s, optimizer_s + host["step_s"]
+        else:  # the device runs what the host queued while the host goes on: the slower of the two
+            micro_s, optimizer_s = max(device_micro_s, host_micro_s), max(optimizer_s, host["step_s"])
+    else:
+        # the host's time to launch the operators (the backward about twice the forward's), which the device
+        # cannot outrun
+        host_micro_s = 3 * n_ops * device.op_overhead_s
+        micro_s = max(device_micro_s, host_micro_s)
+    # the micro-batch whose operators take as long as the host's share: below it the step is host-bound
+    per_image_s = device_micro_s / cfg.micro_batch_size
+    saturating = math.ceil(host_micro_s / per_image_s) if per_image_s > 0 and host_micro_s > 0 else 1
+    compute_s = micro_s * cfg.grad_accum_steps + optimizer_s
     zero = ds_config.get("zero_optimization", {})
     intra, inter = comm_bytes(n_params, cfg.zero_stage, cfg.grad_accum_steps, world_size, ranks_per_node,
                               weight_bytes, zero)
@@ -136,7 +157,9 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
         "ds_config_template": cfg.ds_config, "compute_s": compute_s, "memory_bound_s": memory_s, "comm_s": comm_s,
         "step_s": step_s, "memory_bytes_per_step_per_rank": moved * cfg.grad_accum_steps + optimizer_moved,
         "images_per_s": images * world_size / step_s,
-        "calibrated": rates,
+        "calibrated": {k: v for k, v in rates.items() if k != "host"} if rates else None,
+        "host": {"micro_s": host_micro_s, "device_micro_s": device_micro_s, "bound": host_micro_s > device_micro_s,
+                 "saturating_micro_batch": saturating, "measured": bool(probed)},
         "assumptions": {"mfu": mfu, "mbu": mbu, "mem_gbs": device.mem_gbs, "overlap": overlap, "intra_gbs": device.intra_gbs, "inter_gbs": device.inter_gbs,
                         "reserved_gib": RESERVED_GIB, "allocator_margin": ALLOCATOR_MARGIN,
                         "op_overhead_s": device.op_overhead_s, "ops_per_forward": n_ops,

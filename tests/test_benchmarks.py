@@ -1,8 +1,9 @@
-"""The benchmark harness, end to end: the cpu-smoke suite as its own command runs it (~80 s)."""
+"""The benchmark harness, end to end: the cpu-smoke suite as its own command runs it (~3 min)."""
 import csv
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -50,6 +51,11 @@ def test_cpu_smoke_suite(tmp_path):
     assert chosen["ranks"] == 2 and len(chosen["samples"]) == 2
     assert {k: chosen[k] for k in chosen["samples"][0]} in chosen["samples"]
     assert "| median of 2 measured in the run |" in (tmp_path / "planner.md").read_text()
+    # the host probe ran once, in the first repeat (tests/test_planner.py checks its figures), and the planner
+    # charges the DeepSpeed rows' host per micro-batch
+    assert chosen["host"]["blocks"] == [4, 12]
+    predicted = json.load(open(tmp_path / "planner.json"))
+    assert predicted and all(r["host_micro_s"] > 0 for r in predicted)
     assert float(rows["ZeRO-3 + none"]["recompute_flops_frac"]) == 0.0
     assert all(0 < float(r["mfu"]) < 1 for r in rows.values())
     # the auto budget came from this invocation's own ZeRO-3 full and none peaks
@@ -68,7 +74,8 @@ def test_cpu_smoke_suite(tmp_path):
     # benchmarks.validate on the same rows: its predicted peaks are the ones the runs planned with
     planner = (tmp_path / "planner.md").read_text()
     deepspeed_rows = [r for r in rows.values() if r["engine"] == "deepspeed"]
-    assert f"{len(deepspeed_rows)} rows; largest peak error" in planner
+    assert re.search(rf"\n{len(deepspeed_rows)} rows, \d+ with the calibrated step within 25%; largest peak error",
+                     planner)
     for r in deepspeed_rows:
         if r["planned_peak_mib"]:
             assert f"| {r['config']} | {float(r['planned_peak_mib']):.1f} |" in planner, r["config"]
@@ -96,6 +103,24 @@ def test_race_smoke_suite(tmp_path):
     md = (tmp_path / "results.md").read_text()
     assert "## The micro-batch race" in md and "Micro-batch race, vit-debug" in md
     assert (tmp_path / "race.png").stat().st_size > 20_000
+
+
+@pytest.mark.slow
+def test_trainer_check_smoke(tmp_path):
+    """train.py and the worker on one configuration each, end to end: both sides measured, the ratio taken from
+    the two, train.py's wait for data a share of its steps."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.trainer_check", "--smoke", "--out", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = [json.loads(line) for line in open(tmp_path / "runs.jsonl")]
+    assert len(runs) == 4 and not any("error" in r for r in runs)
+    for config in ("ZeRO-2 + none", "ZeRO-3 + selective"):
+        of = {r["side"]: r for r in runs if r["config"] == config}
+        assert of["train.py"]["images_per_sec"] > 0 and of["worker"]["images_per_sec"] > 0
+        assert 0 <= of["train.py"]["data_wait_frac"] < 1
+        ratio = of["train.py"]["images_per_sec"] / of["worker"]["images_per_sec"]
+        assert f"| {config} |" in (tmp_path / "report.md").read_text()
+        assert f"{ratio:.3f} [" in (tmp_path / "report.md").read_text()
 
 
 def test_worker_refuses_a_job_without_timed_steps(tmp_path):

@@ -7,6 +7,7 @@ import pytest
 from conftest import launch, read_metrics
 
 
+@pytest.mark.slow  # both launchers train in the default suite: tests/test_multinode.py's Slurm script per launcher
 def test_torchrun_matches_deepspeed_launcher(debug_args, tmp_path):
     """Two launchers, same ranks and seed: identical losses."""
     args = debug_args + ["--model", "vit-debug", "--zero_stage", "2", "--max_steps", "20", "--eval_every", "0"]

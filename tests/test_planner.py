@@ -171,6 +171,23 @@ def test_validate_predicts_the_cpu_suite_within_its_targets():
         assert abs(r["step_error"]) <= 0.25, (r["config"], r["shape"], r["step_error"])
 
 
+def test_validate_predicts_the_host_bound_suite_with_the_host_probe():
+    """The `host` suite's eager DeepSpeed rows (24 blocks of width 64, 2 images per rank: a step of host work),
+    predicted with the host probe kept beside the run (calibration.json): every step within ±25% of the measured
+    one, where the operators alone (the assumed step) fall more than half short; ZeRO-3's micro-batches are
+    host-bound."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.validate", "benchmarks/results/host/results.csv",
+                           "--json"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)
+    assert {r["config"] for r in rows} == {"ZeRO-2 + none", "ZeRO-3 + none", "ZeRO-3 + selective", "ZeRO-3 + full"}
+    for r in rows:
+        assert "the host probed at validation" in r["calibration_source"]
+        assert abs(r["step_error"]) <= 0.25, (r["config"], r["step_error"])
+        assert r["step_error_assumed"] < -0.5
+        assert r["host_bound"] or r["zero_stage"] != 3, r["config"]
+
+
 def test_the_planner_predicts_a_run_no_suite_measures(tmp_path):
     """A configuration no committed suite runs (ViT-S/8 at 64 px, micro-batch 8, ZeRO-2, `selective`), measured
     now by the benchmark worker on 2 ranks: the planner's peak, from the configuration alone on the meta device,
@@ -194,6 +211,64 @@ def test_the_planner_predicts_a_run_no_suite_measures(tmp_path):
     device = Device("cpu", 1e11, 1e6, 10.0, 10.0, 0.0, mem_gbs=10.0)  # the rates play no part in the peak
     predicted = estimate(cfg, build_ds_config(cfg, hidden, 2, "fp32"), "fp32", 2, 2, device)["peak_bytes"]
     assert abs(predicted / measured - 1) <= 0.10, (predicted / 2**20, measured / 2**20)
+
+
+# a host probe as planner/host.py writes it: ZeRO-3 costs 10 ms per block without checkpointing, 12 ms with full
+# recompute and 14 ms with selective, 10 ms per micro-batch besides; the bare model 2 ms per block
+PROBED = {"blocks": [2, 6], "stages": {"3": {
+    "micro": {"none": [0.03, 0.07], "selective": [0.034, 0.09], "full": [0.032, 0.08]},
+    "plain": {m: [0.004, 0.012] for m in ("none", "selective", "full")}, "step": [0.004, 0.008]}}}
+
+
+def test_host_seconds_follow_the_probes_lines():
+    """Per policy, a block costs its line's slope; a micro-batch the none line's intercept besides; the optimizer
+    step its own line; on a CPU the bare model's seconds are taken off first (the replay holds them)."""
+    from planner.host import host_seconds
+
+    mixed = ["full", "selective", "none"] * 4
+    gpu = host_seconds(PROBED, 3, mixed, serial=False)
+    assert gpu["micro_s"] == pytest.approx(0.01 + 4 * (0.012 + 0.014 + 0.01))
+    assert gpu["step_s"] == pytest.approx(0.002 + 12 * 0.001)
+    cpu = host_seconds(PROBED, 3, ["none"] * 12 + ["offload"], serial=True)  # offload: a block kept whole
+    assert cpu["micro_s"] == pytest.approx(0.01 + 13 * (0.01 - 0.002))
+    assert cpu["step_s"] == pytest.approx(0.002 + 13 * 0.001)  # the step is the same on either
+
+
+def test_the_host_is_charged_after_the_operators_on_cpu_and_beside_them_on_gpus():
+    """estimate() with a probe: on a CPU each micro-batch adds the host's seconds to its operators' and the step
+    its optimizer's; on a GPU a micro-batch takes the longer of the two, it is host-bound when the host's is
+    longer, and the micro-batch that saturates the device is the first whose operators outlast the host."""
+    import math
+
+    from engine.ds_config import build_ds_config
+    from planner.devices import DEVICES, Device
+    from planner.estimate import estimate
+    from planner.host import host_seconds
+
+    cfg = Config(model="vit-small", image_size=64, patch_size=8, micro_batch_size=4, grad_accum_steps=3, zero_stage=3)
+    ds = build_ds_config(cfg, 384, 2, "fp32")
+    cpu = Device("cpu", 1e11, 1e6, 10.0, 10.0, 0.0, mem_gbs=10.0)
+    rates = {"flops_per_s": 5e10, "bytes_per_s": 5e9}
+    bare = estimate(cfg, ds, "fp32", 2, 2, cpu, rates=rates)
+    probed = estimate(cfg, ds, "fp32", 2, 2, cpu, rates={**rates, "host": PROBED})
+    host = host_seconds(PROBED, 3, ["none"] * 12, serial=True)
+    assert not bare["host"]["measured"] and probed["host"]["measured"]
+    assert probed["compute_s"] - bare["compute_s"] == pytest.approx(3 * host["micro_s"] + host["step_s"])
+    assert probed["host"]["micro_s"] == pytest.approx(host["micro_s"])
+    h200 = replace(DEVICES["h200"], op_overhead_s=0.0)
+    for flops, bound in ((1e15, True), (1e11, False)):
+        gpu_rates = {"flops_per_s": flops, "bytes_per_s": 1e12}
+        bare = estimate(cfg, ds, "bf16", 2, 2, h200, rates=gpu_rates)
+        e = estimate(cfg, ds, "bf16", 2, 2, h200, rates={**gpu_rates, "host": PROBED})
+        total = host_seconds(PROBED, 3, ["none"] * 12, serial=False)
+        device_micro = e["host"]["device_micro_s"]
+        assert e["host"]["bound"] is bound and e["host"]["micro_s"] == pytest.approx(total["micro_s"])
+        expected = 3 * max(device_micro, total["micro_s"]) + max(bare["compute_s"] - 3 * device_micro,
+                                                                 total["step_s"])
+        assert e["compute_s"] == pytest.approx(expected)
+        saturating = e["host"]["saturating_micro_batch"]
+        assert saturating == math.ceil(total["micro_s"] / (device_micro / cfg.micro_batch_size))
+        assert (saturating > cfg.micro_batch_size) is bound
 
 
 def test_zeropp_sends_a_quarter_of_zero3s_bytes_between_nodes():
@@ -257,12 +332,14 @@ def test_replay_records_the_profiles_work_and_replays_every_operator(name):
 
 
 def test_calibrate_under_torchrun_and_plan_with_it(tmp_path):
-    """plan.py --calibrate under torchrun: both ranks measure, rank 0 writes the slowest rank's replay and the
-    lowest bandwidths; an
-    estimate with --calibration charges the model's operators exactly the replayed seconds (the step without
-    recompute is the replay plus the optimizer's stream plus the all-gathers at the measured bandwidth; exactly
-    at the profile's own batch, PROFILE_BATCH, which the planner's profile is scaled from).
+    """plan.py --calibrate under torchrun: both ranks measure, rank 0 writes the slowest rank's replay and host
+    probe and the lowest bandwidths; an estimate with --calibration charges the model's operators exactly the
+    replayed seconds (the step without recompute is the replay plus the host's share beyond the bare model plus
+    the optimizer's stream plus the all-gathers at the measured bandwidth; exactly at the profile's own batch,
+    PROFILE_BATCH, which the planner's profile is scaled from).
     A calibration of another configuration is refused in one line."""
+    from planner.host import host_seconds
+
     out = tmp_path / "calibration.json"
     keys = ["--model", "vit-debug", "--image_size", "16", "--micro_batch_size", str(PROFILE_BATCH), "--num_labels", "10",
             "--precision", "fp32"]
@@ -281,8 +358,21 @@ def test_calibrate_under_torchrun_and_plan_with_it(tmp_path):
     proc = plan(*keys, *cluster, "--calibration", out, "--json")
     assert proc.returncode == 0, proc.stderr
     e = json.loads(proc.stdout)
-    optimizer_s = 100 * e["params"] / 2 / (cal["stream_gbs"] * 1e9)
-    assert e["compute_s"] - optimizer_s == pytest.approx(sum(cal["replay_seconds"].values()), rel=1e-6)
+    # the host probe: the slowest rank's seconds, each rising with the depth; charged after the operators
+    host = cal["host"]
+    assert host["blocks"] == [4, 12] and set(host["stages"]) == {"1", "2", "3"}
+    for stage, figures in host["stages"].items():
+        for policy in ("none", "selective", "full"):
+            seconds, bare = figures["micro"][policy], figures["plain"][policy]
+            assert 0 < seconds[0] < seconds[1] and 0 < bare[0] < bare[1], (stage, policy, seconds, bare)
+            assert seconds == [max(v) for v in zip(*(r["host"]["stages"][stage]["micro"][policy]
+                                                     for r in cal["per_rank"]))]
+        assert all(s > 0 for s in figures["step"])
+    charged = host_seconds(host, e["zero_stage"], ["none"] * 2, serial=True)
+    assert e["host"]["measured"] and e["host"]["micro_s"] == pytest.approx(charged["micro_s"])
+    optimizer_s = 100 * e["params"] / 2 / (cal["stream_gbs"] * 1e9) + charged["step_s"]
+    assert e["compute_s"] - optimizer_s - charged["micro_s"] == pytest.approx(sum(cal["replay_seconds"].values()),
+                                                                             rel=1e-6)
     assert e["comm_s"] == pytest.approx(e["comm_bytes_per_step_per_rank"] / (cal["comm_gbs"] * 1e9), rel=1e-6)
     assert "as calibrated" in plan(*keys, *cluster, "--calibration", out).stdout
     # a search with it tries the calibrated micro-batch only, every candidate charged at its rates
