@@ -15,7 +15,6 @@ MUON_MOMENTUM = 0.95  # Muon's Nesterov momentum (Jordan et al. 2024)
 # own defaults (5e8 elements, 2 GB in fp32) are sized for large language models.
 MIN_BUCKET_ELEMENTS = 2**20  # a floor, so that small models do not pay one collective per tensor
 PREFETCH_FRACTION = 0.9  # stage3_prefetch_bucket_size = 0.9 * h^2
-PERSISTENCE_PER_HIDDEN = 10  # parameters below 10 * h elements stay gathered (biases, norms)
 BLOCK_PARAMS_PER_HIDDEN_SQ = 12  # a transformer block holds ~12 h^2 parameters (attention 4 h^2, MLP 8 h^2)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # the `precision` key's dtypes
 
@@ -127,7 +126,10 @@ def build_ds_config(cfg: Config, hidden_size: int, world_size: int, precision: s
         "reduce_bucket_size": bucket,
         "allgather_bucket_size": bucket,
         "stage3_prefetch_bucket_size": int(PREFETCH_FRACTION * bucket),
-        "stage3_param_persistence_threshold": PERSISTENCE_PER_HIDDEN * hidden_size,
+        # no parameter stays gathered: a block's biases and norms come with its weights in the block's one
+        # coalesced gather (its blocks are leaf modules), while ZeRO-3 all-gathers every persistent one again
+        # after each optimizer step, one collective per tensor (benchmarks/results/ds-tuning-persistence)
+        "stage3_param_persistence_threshold": 0,
         # DeepSpeed's defaults (1e9 elements) keep every gathered parameter from its forward to its backward, a
         # whole unsharded model per rank; two blocks' worth lets a block's weights go after its forward, and a
         # checkpointed block's recompute runs inside its backward, after the block's own gather

@@ -20,7 +20,7 @@ def test_auto_fields_come_from_the_run_config():
     # Hugging Face's rule, from hidden_size rather than DeepSpeed's LLM-sized 5e8 defaults
     assert zero["reduce_bucket_size"] == 1024 * 1024
     assert zero["stage3_prefetch_bucket_size"] == int(0.9 * 1024 * 1024)
-    assert zero["stage3_param_persistence_threshold"] == 10 * 1024
+    assert zero["stage3_param_persistence_threshold"] == 0  # biases and norms travel with their block
     assert "auto" not in json.dumps(ds)
 
 
