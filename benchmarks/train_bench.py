@@ -104,6 +104,8 @@ def main(argv=None):
     parser.add_argument("--compare", default="",
                         help="a results directory of the same suite (say benchmarks/results/cpu): write comparison.md "
                              "against its results.csv and exit non-zero when a configuration is not reproduced")
+    parser.add_argument("--no_host_probe", action="store_true",
+                        help="calibrate the planner without its host probe (planner/host.py)")
     parser.add_argument("--report_only", action="store_true",
                         help="rewrite results.csv/.md and pareto.png from the out directory's runs.jsonl, running nothing")
     args = parser.parse_args(argv)
@@ -139,7 +141,7 @@ def main(argv=None):
     started = time.perf_counter()
     gemm = gemm_gflops(threads) if not torch.cuda.is_available() else gpu_peak_gflops()
     # what the planner's step time is computed from, per shape (plan.py --calibrate), measured at the start of
-    # every repeat, as the jobs are: the machine's speed drifts over a suite
+    # every repeat, as the jobs are: the machine's speed drifts over a suite; the host probe in the first only
     calibrations = {shape.label: [] for shape in suite.shapes}
     jobs = [(shape, run) for shape in suite.shapes for run in runs_of(suite, shape)]
     results, measured, budgets = [], {}, {}
@@ -157,7 +159,7 @@ def main(argv=None):
                 try:
                     calibrations[shape.label].append(calibrate(
                         shape.model, shape.image_size, shape.patch_size, shape.micro_batch_size, 10, suite.ranks,
-                        threads, "bf16" if torch.cuda.is_available() else "fp32", host=repeat == 0))
+                        threads, "bf16" if torch.cuda.is_available() else "fp32", host=repeat == 0 and not args.no_host_probe))
                 except (RuntimeError, subprocess.TimeoutExpired) as e:  # benchmarks.validate measures it instead
                     print(f"warning: {str(e).splitlines()[0]}", file=sys.stderr)
                 bar.update()

@@ -1,7 +1,7 @@
 """train.py against the benchmark worker on one configuration: the images/s a user gets beside the images/s the
 suites report.
 
-    .venv/bin/python -m benchmarks.trainer_check                 # ~10 min on 2 cores (needs `make data`)
+    .venv/bin/python -m benchmarks.trainer_check                 # ~35 min on 2 cores (needs `make data`)
     .venv/bin/python -m benchmarks.trainer_check --report_only   # report.md from runs.jsonl
     .venv/bin/python -m benchmarks.trainer_check --smoke --out /tmp/t   # vit-debug, 1 repeat: the harness (~1 min)
 

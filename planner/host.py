@@ -35,7 +35,8 @@ PROBE_WIDTH = 32  # ViT's hidden size, Swin's embedding width in the probe: arit
 def probe_configs(config) -> list:
     """(transformers config, blocks) at two depths of the model's structure at the probe's width: ViT at 4 and
     12 blocks; Swin with every stage 1 and 3 blocks deep (its patch merging, once per stage, stays in the
-    intercept). Depths of a few blocks would not do: the first blocks cost the host more than the later ones."""
+    intercept). The depths lie far apart, so that a few milliseconds of noise in either is small against their
+    difference."""
     out = []
     for scale in (1, 3):
         c = copy.deepcopy(config)
