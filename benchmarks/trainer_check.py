@@ -61,7 +61,7 @@ def run_trainer(shape: dict, steps: int, zero: int, ac: str, timeout_s: int = 90
 
 
 def measure(out_dir: str, plan: dict) -> list:
-    jobs = [(name, side) for name in CONFIGS for side in ("train.py", "worker")]
+    jobs = [(name, side) for name in plan["configs"] for side in ("train.py", "worker")]
     results = []
     with open(os.path.join(out_dir, "runs.jsonl"), "w") as log, tqdm(total=plan["repeats"] * len(jobs),
                                                                    desc="train.py against the worker") as bar:
@@ -99,7 +99,7 @@ def write_report(out_dir: str, results: list, env: dict, plan: dict):
              "repeats in alternating order (`python -m benchmarks.trainer_check`).", "",
              "| configuration | train.py images/s (median) | worker images/s (median) | train.py / worker | "
              "train.py waiting for data | within 5% |", "|---|---|---|---|---|---|"]
-    for name in CONFIGS:
+    for name in plan.get("configs", CONFIGS):
         of = {side: {r["repeat"]: r["images_per_sec"] for r in results if r["config"] == name and r["side"] == side
                      and "error" not in r} for side in ("train.py", "worker")}
         ratio = paired_ratio(of["train.py"], of["worker"])
@@ -124,8 +124,11 @@ def main(argv=None):
     parser.add_argument("--out", default=OUT)
     parser.add_argument("--report_only", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="vit-debug, 6 steps, 1 repeat: checks the harness")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="which of them, comma-separated")
     a = parser.parse_args(argv)
-    plan = SMOKE if a.smoke else FULL
+    plan = dict(SMOKE if a.smoke else FULL, configs=[c for c in CONFIGS if c in a.configs.split(",")])
+    if not plan["configs"]:
+        parser.error(f"--configs names none of {', '.join(CONFIGS)}")
     os.makedirs(a.out, exist_ok=True)
     if a.report_only:
         with open(os.path.join(a.out, "runs.jsonl")) as f:
