@@ -15,7 +15,9 @@ Writes benchmarks/results/trainer/: runs.jsonl and report.md.
 """
 import argparse
 import json
+import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -105,11 +107,10 @@ def write_report(out_dir: str, results: list, env: dict, plan: dict):
         ratio = paired_ratio(of["train.py"], of["worker"])
         wait = [r["data_wait_frac"] for r in results if r["config"] == name and r["side"] == "train.py"
                 and "error" not in r]
-        median = lambda v: sorted(v)[len(v) // 2] if v else float("nan")  # noqa: E731
         verdict = "-" if ratio is None else ("yes" if 1 - TARGET <= ratio[1] and ratio[2] <= 1 + TARGET else
                                              "no" if ratio[2] < 1 - TARGET or ratio[1] > 1 + TARGET else "undecided")
-        lines.append(f"| {name} | {median(list(of['train.py'].values())):.2f} | "
-                     f"{median(list(of['worker'].values())):.2f} | {fmt_ratio(ratio)} | "
+        lines.append(f"| {name} | {statistics.median(of['train.py'].values() or [math.nan]):.2f} | "
+                     f"{statistics.median(of['worker'].values() or [math.nan]):.2f} | {fmt_ratio(ratio)} | "
                      f"{sum(wait) / max(len(wait), 1):.1%} | {verdict} |")
     failed = [r for r in results if "error" in r]
     if failed:

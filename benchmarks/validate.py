@@ -59,7 +59,7 @@ def validate(results_csv: str, mfu: float = 1.0, intra_gbs: float = 10.0, save: 
     for shape, c in saved.items():
         if shape not in calibrations:
             calibrations[shape], sources[shape] = c, f"measured at validation on {c['date']}"
-        elif not calibrations[shape].get("host") and c.get("host"):  # a run from before the host probe
+        elif not calibrations[shape].get("host") and c.get("host"):  # a run whose calibration has no host probe
             calibrations[shape] = {**calibrations[shape], "host": c["host"]}
             sources[shape] += f"; the host probed at validation on {c.get('host_date', c['date'])}"
     added = {}
@@ -84,7 +84,7 @@ def validate(results_csv: str, mfu: float = 1.0, intra_gbs: float = 10.0, save: 
             ds_config["zero_optimization"].pop("sub_group_size", None)
         assumed = estimate(cfg, ds_config, precision, world, world, device, mfu, mbu=1.0)
         # a run without a host probe is probed now only on a CPU of the model it ran on (the host's speed is the
-        # CPU's); on another, its step is predicted without the host, as before the probe
+        # CPU's); on another, its step is predicted without the host term
         here = not env.get("gpu") and env.get("cpu") == cpu_name()
         if row["shape"] in calibrations and not calibrations[row["shape"]].get("host") and not here:
             if "host" not in sources[row["shape"]]:
