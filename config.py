@@ -43,6 +43,7 @@ class Config:
     cutmix: float = 0.0  # CutMix alpha; 0 = off (DeiT: 1.0); with both set, each batch uses one at random
     # parallelism and precision
     zero_stage: int = 2  # DeepSpeed ZeRO stage: 1 (optimizer states), 2 (+gradients), 3 (+parameters)
+    tp_size: int = 1  # tensor parallelism: ranks of a node that split each block's matrices (DeepSpeed AutoTP); data parallelism and ZeRO run over world size / tp_size
     ds_config: str = ""  # DeepSpeed JSON template; "" = ds_configs/zero{zero_stage}.json. Its "auto" fields come from this config
     dist_timeout: float = 1800.0  # seconds a rank waits for the master's address, for the other ranks, and in any collective
     precision: str = "auto"  # fp32 | bf16 | fp16 | auto (bf16 on GPUs that support it, else fp32)
@@ -219,8 +220,8 @@ def _accelerate(cfg: Config, given: dict, env):
 
 
 def _check(cfg: Config):
-    positive = ("num_labels", "image_size", "micro_batch_size", "grad_accum_steps", "max_steps", "max_bad_steps",
-                "log_every")
+    positive = ("num_labels", "image_size", "tp_size", "micro_batch_size", "grad_accum_steps", "max_steps",
+                "max_bad_steps", "log_every")
     for key in positive:
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"config key '{key}' must be positive, got {getattr(cfg, key)}")
@@ -242,6 +243,12 @@ def _check(cfg: Config):
     if cfg.optimizer == "muon" and cfg.layer_decay < 1:
         raise ConfigError("layer_decay with optimizer muon: DeepSpeed's Muon gives a parameter group's own lr to both "
                           "its Muon and AdamW halves, so muon_lr would be lost; use layer_decay 1 or optimizer adamw")
+    if cfg.optimizer == "muon" and cfg.tp_size > 1:
+        raise ConfigError("optimizer muon with tp_size > 1: Muon orthogonalises each weight matrix whole, and tensor "
+                          "parallelism leaves a rank a slice of it; use optimizer adamw or tp_size 1")
+    if cfg.ema_decay and cfg.tp_size > 1:
+        raise ConfigError("ema_decay with tp_size > 1: the EMA's checkpoint files place each rank's part of the flat "
+                          "weights, and tensor-parallel shards are not such parts; use ema_decay 0 or tp_size 1")
     if cfg.export_ema and not cfg.ema_decay:
         raise ConfigError("export_ema needs an EMA of the weights: set ema_decay (e.g. 0.9999)")
     if cfg.lr <= 0:

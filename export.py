@@ -10,6 +10,7 @@ model. config.json and the image processor come from the run's `hf_config/`, whi
 The directory is written under `OUT.partial` and renamed when complete.
 """
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -19,6 +20,8 @@ DTYPES = ("fp32", "bf16", "fp16")
 
 def export(checkpoint: str, out: str, dtype: str = "fp32", log=print):
     import torch
+
+    from engine.checkpoint import STATE_FILE
 
     checkpoint = checkpoint.rstrip("/")
     ckpt_dir, tag = os.path.split(checkpoint)
@@ -30,6 +33,11 @@ def export(checkpoint: str, out: str, dtype: str = "fp32", log=print):
                          f"run directory holds the model's config (written at the start of the run)")
     if os.path.exists(out):
         raise ValueError(f"'{out}' exists: choose a new directory")
+    state_file = os.path.join(checkpoint, STATE_FILE)
+    tp_size = json.load(open(state_file)).get("tp_size", 1) if os.path.isfile(state_file) else 1
+    if tp_size > 1:
+        raise ValueError(f"{checkpoint} was written with tp_size {tp_size}: export.py merges ZeRO's partitions, not "
+                         f"tensor-parallel shards; the run's hf_model/, written at its end, holds the whole model")
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
     from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_state_dict
 

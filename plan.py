@@ -272,6 +272,8 @@ def main(argv=None):
                       f"the host, {d.host_memory_gib:g} GiB of host memory per node")
             return 0
         cfg = parse(rest)
+        if cfg.tp_size > 1:
+            raise ConfigError("plan.py models data parallelism with ZeRO, not tensor parallelism: plan with tp_size 1")
         precision = cfg.precision if cfg.precision != "auto" else ("bf16" if a.device != "cpu" else "fp32")
         if a.calibrate:
             return run_calibration(cfg, precision, a.calibrate, host=not a.no_host_probe)

@@ -34,7 +34,7 @@ from engine import compat
 from engine.checkpoint import (Resume, check_same_model, describe_load_error, find_resume, remove_interrupted, save,
                                to_universal)
 from engine.distributed import (DistributedError, Heartbeat, dist_env, exit_distributed, fail_fast,
-                                init_distributed)
+                                init_distributed, ranks_per_node)
 from engine.ema import EMA
 from engine.evaluation import Evaluation, evaluate
 from engine.hf_export import export_hf_model
@@ -44,6 +44,7 @@ from engine.optim import frozen_names
 from engine.parallelize import build_engine, build_training_model, engine_config
 from engine.preemption import EXIT_PREEMPTED, Preemption
 from engine.runlog import RunLog
+from engine.tensor_parallel import check_tp, layout
 from engine.timing import clock
 from models import model_config
 from models.registry import check_weight_files, meta_model
@@ -86,19 +87,21 @@ def check_run(cfg: Config, world_size: int, rank: int) -> Checked:
     check_labels(train_sources, cfg.num_labels, "train_shards")
     check_labels(val_sources, cfg.num_labels, "val_shards")
     # an unknown model name raises here, with the list of known ones; a contradicting DeepSpeed JSON below
-    hidden = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size).hidden_size
+    defined = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size)
+    check_tp(defined, cfg.tp_size, world_size, ranks_per_node())
     if os.path.isdir(cfg.model):  # a cut-off copy of its weights fails here, by name, not inside transformers
         check_weight_files(cfg.model)
     shapes = {n: list(p.shape) for n, p in meta_model(cfg).named_parameters()}  # the model as defined, on meta
     if cfg.freeze:  # a pattern that names no parameter fails here, on the model's shapes alone
         frozen_names(list(shapes), cfg.freeze)
-    _, ds_config = engine_config(cfg, hidden, world_size)
+    _, ds_config = engine_config(cfg, defined.hidden_size, world_size)
     offload = ds_config["zero_optimization"].get("offload_param", {}).get("device", "none")
     if cfg.ema_decay and offload == "nvme":
         raise ConfigError("ema_decay with offload_param on nvme: the EMA averages the weights' partitions in memory, "
                           "and NVMe-offloaded partitions are not there; offload to cpu or set ema_decay 0")
     check_policy(cfg.ac, "cuda" if torch.cuda.is_available() else "cpu")
-    if cfg.data_streams and (why := check_streams(cfg.data_streams, world_size, cfg.grad_accum_steps, cfg.num_workers)):
+    data_ranks = world_size // cfg.tp_size  # the ranks of a tensor group read the same micro-batches
+    if cfg.data_streams and (why := check_streams(cfg.data_streams, data_ranks, cfg.grad_accum_steps, cfg.num_workers)):
         raise ConfigError(f"data_streams: {why}")
     if cfg.warmup_steps >= cfg.max_steps and rank == 0:  # a short debug run may mean it; say what it does
         print(f"warning: warmup_steps {cfg.warmup_steps} >= max_steps {cfg.max_steps}: the learning rate rises "
@@ -138,6 +141,9 @@ class Run:
     rank: int
     world_size: int
     local_world: int  # ranks on this node
+    data_rank: int  # this rank's tensor group among the data-parallel ones (its rank without tensor parallelism)
+    data_ranks: int  # world_size / tp_size: the micro-batches of one accumulation step, read in parallel
+    tp_rank: int  # this rank within its tensor group (engine/tensor_parallel.py)
     device: torch.device
     heartbeat: Heartbeat  # where this rank is; a dead or stalled rank stops the others within dist_timeout
     preemption: Preemption  # SIGTERM/SIGUSR1: finish the step, checkpoint, exit
@@ -176,8 +182,9 @@ def setup(argv) -> Run:
     # an exception on any rank ends the job in seconds, its traceback in errors/rank<N>.txt, the logs flushed
     flush_logs = []
     fail_fast(heartbeat, cfg.output_dir, flush_logs)
-    run = Run(cfg, checked, rank, world_size, local_world, device, heartbeat, Preemption(cfg.preempt_grace),
-              flush_logs, os.path.join(cfg.output_dir, "checkpoints"))
+    data_rank, tp_rank = layout(rank, cfg.tp_size)
+    run = Run(cfg, checked, rank, world_size, local_world, data_rank, world_size // cfg.tp_size, tp_rank, device,
+              heartbeat, Preemption(cfg.preempt_grace), flush_logs, os.path.join(cfg.output_dir, "checkpoints"))
     if rank == 0:
         remove_interrupted(run.ckpt_dir)
     resume = checked.resume
@@ -259,7 +266,7 @@ def resume(run: Run, model: Model) -> Start:
         start.step = client_state["step"]
         start.data_state, streams, why_not = resume_state(
             resume.state and resume.state["data"], step=start.step, mode=cfg.data_mode, seed=cfg.seed,
-            data_streams=cfg.data_streams, world_size=run.world_size, grad_accum_steps=cfg.grad_accum_steps,
+            data_streams=cfg.data_streams, world_size=run.data_ranks, grad_accum_steps=cfg.grad_accum_steps,
             num_workers=cfg.num_workers, micro_batch_size=cfg.micro_batch_size, shuffle_buffer=cfg.shuffle_buffer)
         start.data_streams = streams or start.data_streams
         if rank == 0:
@@ -286,14 +293,14 @@ def build_data(run: Run, model: Model, start: Start) -> Data:
     read exactly what the uninterrupted run would have read next."""
     cfg, processor = run.cfg, model.processor
     train_stream = ShardStream(
-        run.checked.train_sources, mode=cfg.data_mode, rank=run.rank, world_size=run.world_size,
+        run.checked.train_sources, mode=cfg.data_mode, rank=run.data_rank, world_size=run.data_ranks,
         num_workers=cfg.num_workers, micro_batch_size=cfg.micro_batch_size, shuffle_buffer=cfg.shuffle_buffer,
         grad_accum_steps=cfg.grad_accum_steps, streams=start.data_streams,
         seed=cfg.seed if start.data_state or not start.step else cfg.seed * RESEED_STRIDE + start.step,
         transform=TrainTransform(processor, cfg.crop_scale_min, cfg.hflip, cfg.randaug_n, cfg.randaug_m),
         state=start.data_state, num_labels=cfg.num_labels)
     val_batches = functools.partial(eval_batches, run.checked.val_sources, EvalTransform(processor),
-                                    cfg.micro_batch_size, run.rank, run.world_size, cfg.num_labels)
+                                    cfg.micro_batch_size, run.data_rank, run.data_ranks, cfg.num_labels)
     return Data(TrainLoader(train_stream, cfg.num_workers), train_stream.batches_per_rank_epoch(),
                 Normalize(processor), val_batches)
 
@@ -306,16 +313,18 @@ def open_log(run: Run, model: Model, start: Start, data: Data) -> RunLog:
         print(f"{cfg.model}: {model.n_params / 1e6:.2f}M params | ZeRO-{cfg.zero_stage}"
               f"{f' (hpZ over {hpz} ranks)' if hpz > 1 else ''} | {compat.optimizer_name(model.engine)} | "
               f"{model.precision} | world size {world_size} ({world_size // local_world} node(s) x {local_world}, "
-              f"{run.device.type}, {torch.get_num_threads()} threads per rank) | global batch "
-              f"{images_per_step(cfg, world_size)} = {cfg.micro_batch_size} micro x {cfg.grad_accum_steps} accum x "
-              f"{world_size} ranks | steps {start.step}->{cfg.max_steps} | data {cfg.data_mode}"
+              f"{run.device.type}, {torch.get_num_threads()} threads per rank)"
+              + (f" = {run.data_ranks} data x {cfg.tp_size} tensor parallel" if cfg.tp_size > 1 else "") +
+              f" | global batch {images_per_step(cfg, world_size)} = {cfg.micro_batch_size} micro x "
+              f"{cfg.grad_accum_steps} accum x {run.data_ranks} ranks | steps {start.step}->"
+              f"{cfg.max_steps} | data {cfg.data_mode}"
               + (f", {data.per_epoch // cfg.grad_accum_steps} steps per epoch" if data.per_epoch else ""))
     return RunLog(cfg, run.rank, start.step, model.ds_config, model.ac_plan, model.engine.module, model.processor,
                   run.flush_logs)
 
 
 def images_per_step(cfg: Config, world_size: int) -> int:
-    return cfg.micro_batch_size * cfg.grad_accum_steps * world_size
+    return cfg.micro_batch_size * cfg.grad_accum_steps * world_size // cfg.tp_size
 
 
 # ---------------------------------------------------------------------------------------------------- step
@@ -335,7 +344,7 @@ def train_step(run: Run, model: Model, data: Data, step: int) -> tuple[torch.Ten
         labels = labels.to(device, non_blocking=True)
         # mixing, dropout and stochastic depth draw from the seed, the step and the micro-batch's slot in the
         # step, so that they are the same for any number of ranks and across resumes
-        slot_seed = hash((cfg.seed, step, run.rank * cfg.grad_accum_steps + micro)) % 2**63
+        slot_seed = hash((cfg.seed, step, run.data_rank * cfg.grad_accum_steps + micro)) % 2**63
         mix_rng = torch.Generator().manual_seed(slot_seed)
         torch.manual_seed(slot_seed)
         images, targets = mix_batch(images, labels, cfg.num_labels, cfg.mixup, cfg.cutmix, mix_rng)
@@ -377,8 +386,9 @@ def train(run: Run, model: Model, start: Start, data: Data, log: RunLog) -> Trai
             loss_sum, skipped, padded, data_wait = train_step(run, model, data, step)
             if ema and engine.was_step_applied():
                 ema.update()
-        record = StepRecord(step, lr, skipped, padded, data_wait, engine.was_step_applied(), engine.skipped_steps,
-                            peak_memory_bytes())
+        counts = run.tp_rank == 0  # a tensor group's ranks read the same samples: its first counts the skipped
+        record = StepRecord(step, lr, skipped * counts, padded * counts, data_wait, engine.was_step_applied(),
+                            engine.skipped_steps, peak_memory_bytes())
         if profiled:  # profiling slows this step: it is read alone, and the summary's images/s leaves it out
             before, peak, _ = memory_trace(prof)
             record.extra["mem/step_peak_alloc_bytes"] = peak - before
@@ -418,7 +428,8 @@ def train(run: Run, model: Model, start: Start, data: Data, log: RunLog) -> Trai
         interval = Interval(device, time.perf_counter())
     log.end_progress()
     if trained.result is None:  # resumed at max_steps: nothing left to train, still report the model's accuracy
-        trained.result = evaluate(engine, data.val_batches(), data.normalize, model.dtype, device, cfg.num_labels)
+        trained.result = evaluate(engine, data.val_batches(), data.normalize, model.dtype, device, cfg.num_labels,
+                                  cfg.tp_size)
     return trained
 
 
@@ -462,7 +473,7 @@ def log_steps(run: Run, model: Model, data: Data, ema: EMA | None, trained: Trai
 
 def evaluate_now(run: Run, model: Model, data: Data, ema: EMA | None, trained: Trained):
     """The live weights on the whole validation set, then (with an EMA) the averaged ones."""
-    args = (data.normalize, model.dtype, run.device, run.cfg.num_labels)
+    args = (data.normalize, model.dtype, run.device, run.cfg.num_labels, run.cfg.tp_size)
     trained.result = evaluate(model.engine, data.val_batches(), *args)
     if ema:
         with ema.swapped(model.engine):
@@ -475,8 +486,8 @@ def save_checkpoint(run: Run, model: Model, data: Data, ema: EMA | None, step: i
     run.heartbeat.beat(f"step {step}, saving")
     positions = [None] * run.world_size
     dist.all_gather_object(positions, data.train_batches.state_dict())
-    state = {"step": step, "world_size": run.world_size, "zero_stage": cfg.zero_stage, "val_top1": val_top1,
-             "data": merge_states(positions), "param_shapes": run.checked.param_shapes}
+    state = {"step": step, "world_size": run.world_size, "zero_stage": cfg.zero_stage, "tp_size": cfg.tp_size,
+             "val_top1": val_top1, "data": merge_states(positions), "param_shapes": run.checked.param_shapes}
     # the first checkpoint's size, for the disk check: weights in the model's precision, the fp32 master copy and
     # Adam's two moments (later checks use the newest checkpoint's real size)
     estimate = model.n_params * (model.dtype.itemsize + 12)

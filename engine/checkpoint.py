@@ -86,7 +86,16 @@ def find_resume(cfg: Config, world_size: int) -> Resume | None:
     if state["zero_stage"] != cfg.zero_stage:
         raise ConfigError(f"resume: checkpoint {path} was written under ZeRO-{state['zero_stage']} and this run uses "
                           f"ZeRO-{cfg.zero_stage}; resume it with --zero_stage {state['zero_stage']}")
-    missing = missing_files(path, state["world_size"], state["zero_stage"])
+    tp_size = state.get("tp_size", 1)
+    if tp_size != cfg.tp_size:
+        raise ConfigError(f"resume: checkpoint {path} was written with tp_size {tp_size} and this run uses tp_size "
+                          f"{cfg.tp_size}: this trainer reshards ZeRO's partitions (through DeepSpeed's universal "
+                          f"checkpoint), not a tensor-parallel split; resume it with --tp_size {tp_size}")
+    if tp_size > 1 and state["world_size"] != world_size:
+        raise ConfigError(f"resume: checkpoint {path} was written by {state['world_size']} ranks with tp_size "
+                          f"{tp_size} and this run has {world_size}: this trainer reshards ZeRO's partitions only "
+                          f"without tensor parallelism; resume it on {state['world_size']} ranks")
+    missing = missing_files(path, state["world_size"], state["zero_stage"], tp_size)
     if missing:
         raise ConfigError(f"resume: checkpoint {path} is incomplete: {len(missing)} of the files its "
                           f"{state['world_size']} ranks wrote are missing ({', '.join(missing[:4])}"
@@ -292,18 +301,22 @@ def prune(ckpt_dir: str, keep_last: int, keep_best: bool, log=print):
             log(f"checkpoint: removed {tag} (keep_last {keep_last}{', keep_best' if keep_best else ''})")
 
 
-def missing_files(path: str, world_size: int, stage: int) -> list[str]:
-    """The DeepSpeed files a checkpoint of `world_size` ranks at ZeRO `stage` holds that are not in `path`."""
+def missing_files(path: str, world_size: int, stage: int, tp_size: int = 1) -> list[str]:
+    """The DeepSpeed files a checkpoint of `world_size` ranks at ZeRO `stage` and `tp_size` holds that are not in
+    `path`: each rank's optimizer partition (and under ZeRO-3 its weights), named by its data-parallel rank and its
+    rank in the tensor group; below ZeRO-3 the weights once per tensor rank."""
     missing = []
     names = os.listdir(path)
     for r in range(world_size):
-        optim = f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"  # bf16_ prefixed under bf16 with ZeRO-1/2
+        dp, tp = r // tp_size, r % tp_size
+        optim = f"zero_pp_rank_{dp}_mp_rank_{tp:02d}_optim_states.pt"  # bf16_ prefixed under bf16 with ZeRO-1/2
         if optim not in names and f"bf16_{optim}" not in names:
             missing.append(optim)
-        if stage == 3 and f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" not in names:
-            missing.append(f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
-    if stage < 3 and "mp_rank_00_model_states.pt" not in names:
-        missing.append("mp_rank_00_model_states.pt")
+        if stage == 3 and f"zero_pp_rank_{dp}_mp_rank_{tp:02d}_model_states.pt" not in names:
+            missing.append(f"zero_pp_rank_{dp}_mp_rank_{tp:02d}_model_states.pt")
+    for tp in range(tp_size if stage < 3 else 0):
+        if f"mp_rank_{tp:02d}_model_states.pt" not in names:
+            missing.append(f"mp_rank_{tp:02d}_model_states.pt")
     return missing
 
 

@@ -92,6 +92,43 @@ def quiet_deepspeed_deprecations():
         warnings.filterwarnings("ignore", message=rf"`torch\.distributed\.{name}` is deprecated", category=FutureWarning)
 
 
+# ----------------------------------------------------------------------------- DeepSpeed's AutoTP
+@contextlib.contextmanager
+def autotp_sees_one_head_count(model: torch.nn.Module):
+    """Hide a Swin config's per-stage head counts from AutoTP while `deepspeed.initialize` splits the model.
+
+    AutoTP reads one head count from the model's config (deepspeed/module_inject/tp_shard.py, AutoTPMeta) to align
+    its shards with heads, and a Swin config holds a list, one per stage, which it cannot compare with tp_size.
+    Without a count AutoTP splits each linear layer into equal parts, which fall on head boundaries when tp_size
+    divides every stage's heads (engine/tensor_parallel.py checks that first).
+    """
+    _require("deepspeed", "autotp_sees_one_head_count")
+    import copy
+
+    config = model.config
+    if not isinstance(getattr(config, "num_heads", None), (list, tuple)):
+        yield
+        return
+    shown = copy.copy(config)
+    shown.__dict__["num_heads"] = None  # and so num_attention_heads, which Swin's config maps to it
+    model.config = shown
+    try:
+        yield
+    finally:
+        model.config = config
+
+
+def tp_gathered_parameters(engine) -> dict:
+    """Every parameter of a tensor-parallel engine whole, on rank 0 ({} elsewhere); every rank calls it.
+
+    DeepSpeed's consolidation (DeepSpeedEngine._consolidated_16bit_state_dict) gathers module by module each AutoTP
+    layer's shards over its tensor group and, under ZeRO-3, each partition over the data-parallel ranks; it copies
+    the parameters in the model's own precision (fp32 here for an fp32 run) and leaves the buffers out.
+    """
+    _require("deepspeed", "tp_gathered_parameters")
+    return {k: v.clone() for k, v in (engine._consolidated_16bit_state_dict() or {}).items()}
+
+
 # ----------------------------------------------------------------------------- linear layers under ZeRO-3
 def torch_linear():
     """torch's own `linear` (the aten op), whatever DeepSpeed has made of `torch.nn.functional.linear`."""

@@ -83,6 +83,9 @@ def build_ds_config(cfg: Config, hidden_size: int, world_size: int, precision: s
     except json.JSONDecodeError as e:
         raise ConfigError(f"ds_config '{path}' is not valid JSON: {e}") from None
     where = f"ds_config '{os.path.relpath(path)}'"
+    if "tensor_parallel" in ds:
+        raise ConfigError(f"{where} has a 'tensor_parallel' section: tensor parallelism comes from tp_size, with this "
+                          f"project's partition of ViT and Swin blocks (engine/tensor_parallel.py); remove it")
     if "scheduler" in ds:
         raise ConfigError(f"{where} has a 'scheduler': the schedule comes from warmup_steps, max_steps, lr and "
                           f"min_lr; remove it")

@@ -14,9 +14,10 @@ class Evaluation:
 
 
 @torch.no_grad()
-def evaluate(engine, loader, normalize, dtype, device, num_labels: int) -> Evaluation:
+def evaluate(engine, loader, normalize, dtype, device, num_labels: int, copies: int = 1) -> Evaluation:
     """Top-1, top-5 and the confusion matrix over the whole validation set, reduced over ranks. The loader's
-    uint8 images are normalised on the device (`normalize`)."""
+    uint8 images are normalised on the device (`normalize`). `copies`: the ranks that evaluate each batch together
+    (a tensor group, tp_size), whose counts are the same."""
     engine.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # correct@1, correct@5, count
     confusion = torch.zeros(num_labels * num_labels, dtype=torch.float64, device=device)
@@ -46,6 +47,7 @@ def evaluate(engine, loader, normalize, dtype, device, num_labels: int) -> Evalu
             shown = (batch[0][:16], batch[1][:16], top[:16, 0].cpu())
     dist.all_reduce(totals)
     dist.all_reduce(confusion)
+    totals, confusion = totals / copies, confusion / copies
     engine.train()
     return Evaluation((totals[0] / totals[2]).item(), (totals[1] / totals[2]).item(),
                       confusion.view(num_labels, num_labels).cpu(), shown)

@@ -7,6 +7,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from engine import compat
+
 
 def export_hf_model(engine, processor, out_dir: str, rank: int) -> bool:
     """A Hugging Face directory `pipeline("image-classification", model=out_dir)` loads; False (and nothing
@@ -34,10 +36,15 @@ def export_hf_model(engine, processor, out_dir: str, rank: int) -> bool:
 
 def full_state_dict(engine, rank: int) -> dict:
     """The whole model's weights on rank 0 ({} elsewhere). Under ZeRO-3 each module's parameters are gathered
-    in turn (`deepspeed.zero.GatheredParameters`) and copied out, so no rank gathers the whole model at once."""
+    in turn (`deepspeed.zero.GatheredParameters`) and copied out, so no rank gathers the whole model at once; under
+    tensor parallelism DeepSpeed's own consolidation does the same over the tensor groups too."""
     import deepspeed
 
     module = engine.module
+    if engine.autotp_size() > 1:  # each AutoTP layer's shards, and under ZeRO-3 its partitions, gathered
+        params = {name for name, _ in module.named_parameters()}
+        buffers = {k: v for k, v in module.state_dict().items() if k not in params} if rank == 0 else {}
+        return {**buffers, **compat.tp_gathered_parameters(engine)}
     if not engine.zero_optimization_partition_weights():
         return module.state_dict() if rank == 0 else {}
     params = {name for name, _ in module.named_parameters()}

@@ -3,6 +3,7 @@
 `build_engine` is what train.py, the benchmark worker and the equivalence tests call; `parallelize` applies,
 in this order, activation checkpointing, ZeRO and torch.compile.
 """
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,7 @@ from engine import compat
 from engine.ds_config import DTYPES, build_ds_config, resolve_precision
 from engine.memory import zero_memory_bytes
 from engine.optim import freeze, lr_schedule, param_groups
+from engine.tensor_parallel import layout, shard_head_biases, tp_config
 from models import build_model
 from models.blocks import find_blocks
 
@@ -83,8 +85,10 @@ def parallelize(model: torch.nn.Module, cfg: Config, ds_config: dict, world_size
     The order is fixed: checkpointing wraps the bare blocks (it profiles the model as defined), ZeRO then hooks
     whatever the blocks have become, and torch.compile traces the model with ZeRO's hooks in place.
     """
-    fixed = zero_memory_bytes(sum(compat.param_numel(p) for p in model.parameters()), cfg.zero_stage, world_size,
-                              precision, ds_config)
+    # under tensor parallelism a rank holds about 1/tp_size of the weights (the blocks' matrices: the norms,
+    # embeddings and head are replicated), and ZeRO partitions them over world_size / tp_size ranks
+    fixed = zero_memory_bytes(sum(compat.param_numel(p) for p in model.parameters()) // cfg.tp_size, cfg.zero_stage,
+                              world_size // cfg.tp_size, precision, ds_config)
     ac_plan = apply_ac(model, cfg, fixed, precision, device_type, log)
     engine = apply_zero(model, cfg, ds_config, ac_plan)
     apply_compile(engine, cfg, log)
@@ -102,7 +106,8 @@ def apply_ac(model, cfg, fixed, precision, device_type, log) -> dict:
 
 
 def apply_zero(model, cfg, ds_config, ac_plan):
-    """`deepspeed.initialize` with AdamW's parameter groups and the LR schedule.
+    """`deepspeed.initialize` with AdamW's parameter groups and the LR schedule; with tp_size > 1 DeepSpeed's AutoTP
+    splits the blocks' linear layers first, as engine/tensor_parallel.py configures it.
 
     Under ZeRO-3 every transformer block is a leaf module (DeepSpeed's own switch): its weights are gathered
     and released once per block, with the hooks on the block, outside its checkpoint. A recompute then
@@ -110,17 +115,22 @@ def apply_zero(model, cfg, ds_config, ac_plan):
     forward's ops exactly, never sees a gather (docs/activation_checkpointing.md).
     """
     import deepspeed
+    import torch.distributed as dist
     from deepspeed.utils import set_z3_leaf_module
 
     if cfg.zero_stage == 3:
         for block in find_blocks(model):
             set_z3_leaf_module(block.module, True)
-    engine, _, _, _ = deepspeed.initialize(
-        model=model,
-        model_parameters=param_groups(model, cfg.weight_decay, cfg.layer_decay, cfg.lr),
-        config=ds_config,
-        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_schedule(cfg)),
-    )
+    if cfg.tp_size > 1:  # AutoTP splits the blocks' linear layers inside deepspeed.initialize
+        ds_config["tensor_parallel"] = tp_config(model, cfg.tp_size)
+        shard_head_biases(model, layout(dist.get_rank(), cfg.tp_size)[1], cfg.tp_size)
+    with compat.autotp_sees_one_head_count(model) if cfg.tp_size > 1 else contextlib.nullcontext():
+        engine, _, _, _ = deepspeed.initialize(
+            model=model,
+            model_parameters=param_groups(model, cfg.weight_decay, cfg.layer_decay, cfg.lr),
+            config=ds_config,
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_schedule(cfg)),
+        )
     if engine.zero_optimization_partition_weights():
         compat.make_zero3_linear_out_of_place()
         recomputed = {b["name"] for b in ac_plan["blocks"] if b["policy"] in ("full", "selective")}

@@ -58,19 +58,37 @@ CASES = {
                               "layer_decay with optimizer muon"),
     "data streams that do not split": (lambda t, d: ["--data_streams", "2", "--num_workers", "4"],
                                        "data_streams: the 2 data streams per rank do not split over 4 workers"),
+    "tp_size not dividing a stage's heads": (lambda t, d: ["--model", "swin-debug", "--tp_size", "2"],
+                                             "tp_size 2 does not divide the 1 attention heads of stage 1 of swin"),
+    "tp_size on one rank": (lambda t, d: ["--tp_size", "2"],
+                            "tp_size 2 must divide the ranks per node (1) and the world size (1)"),
+    "muon with tensor parallelism": (lambda t, d: ["--optimizer", "muon", "--tp_size", "2"],
+                                     "optimizer muon with tp_size > 1"),
+    "ema with tensor parallelism": (lambda t, d: ["--ema_decay", "0.99", "--tp_size", "2"],
+                                    "ema_decay with tp_size > 1"),
+    "tensor_parallel in the ds json": (lambda t, d: ["--ds_config", tp_ds_config(t)],
+                                       "has a 'tensor_parallel' section: tensor parallelism comes from tp_size"),
+    "checkpoint of another tp_size": (lambda t, d: ["--zero_stage", "2", "--resume", checkpoint(t, 2, 2, tp_size=2)],
+                                      "was written with tp_size 2 and this run uses tp_size 1"),
 }
 
 
-def checkpoint(tmp_path, world_size, stage, missing_ranks=()):
+def checkpoint(tmp_path, world_size, stage, missing_ranks=(), tp_size=1):
     """A checkpoint directory as train.py writes it (its files' names; their contents are not read before the
     checks), written by `world_size` ranks under ZeRO `stage`, without the files of `missing_ranks`."""
     path = tmp_path / "ckpt" / "step0000060"
     path.mkdir(parents=True)
     (path / "train_state.json").write_text(json.dumps({"step": 60, "world_size": world_size, "zero_stage": stage,
-                                                       "data": {}}))
+                                                       "tp_size": tp_size, "data": {}}))
     (path / "mp_rank_00_model_states.pt").write_bytes(b"")
     for r in set(range(world_size)) - set(missing_ranks):
         (path / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"")
+    return path
+
+
+def tp_ds_config(tmp_path):
+    path = tmp_path / "tp.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, "tensor_parallel": {"autotp_size": 2}}))
     return path
 
 
