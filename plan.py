@@ -47,6 +47,9 @@ def cluster_args(argv):
                         help="measure here what a plan of this configuration assumes (its operators' FLOP rate and "
                              "bandwidth at this micro-batch, the memory and, under torchrun, the all-gather "
                              "bandwidth; the engine's host seconds per block and per step) and write it to JSON")
+    parser.add_argument("--host_stages", default="1,2,3",
+                        help="--calibrate: the ZeRO stages the host probe measures, comma-separated (a plan at another "
+                             "stage assumes the host's share)")
     parser.add_argument("--no_host_probe", action="store_true",
                         help="--calibrate without the host probe (the engine's seconds per block and per step)")
     parser.add_argument("--calibration", metavar="JSON",
@@ -183,7 +186,7 @@ def write_plan(best: dict, cfg, ds_config: dict, out: str, a):
                   f"--ds_config {out}/ds_config.json\n")
 
 
-def run_calibration(cfg, precision: str, out: str, host: bool = True) -> int:
+def run_calibration(cfg, precision: str, out: str, host: bool = True, host_stages=(1, 2, 3)) -> int:
     """--calibrate: every rank of the launch (a one-rank group without a launcher) measures at once; rank 0
     writes the slowest rank's figures. Needs the device it calibrates: a GPU for bf16 plans, the CPU for fp32
     ones."""
@@ -212,7 +215,8 @@ def run_calibration(cfg, precision: str, out: str, host: bool = True) -> int:
                 bar.close()
         return progress
     mine = calibrate(cfg, precision, device, progress_of(f"replaying {cfg.model}'s operators", "op"), host=host,
-                     host_progress=progress_of("probing the host (2 depths x 3 ZeRO stages x 3 policies)", "run"))
+                     host_progress=progress_of(f"probing the host (2 depths x ZeRO {'/'.join(map(str, host_stages))} x "
+                                               f"3 policies)", "run"), host_stages=host_stages)
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, mine)
     if dist.get_rank() == 0:
@@ -223,7 +227,8 @@ def run_calibration(cfg, precision: str, out: str, host: bool = True) -> int:
               f"operators {result['flops_per_s'] / 1e9:.1f} GFLOP/s and {result['bytes_per_s'] / 1e9:.1f} GB/s, "
               f"streaming {result['stream_gbs']:.1f} GB/s, all-gather {result['comm_gbs']:.2f} GB/s per rank"
               + (f"; {len(result['failed_ops'])} operators did not replay" if result["failed_ops"] else "")
-              + (f"; host per block (ZeRO-3, none) {host_block_ms(result['host']):.1f} ms" if result["host"] else "")
+              + (f"; host per block (ZeRO-{max(int(s) for s in result['host']['stages'])}, none) "
+                 f"{host_block_ms(result['host']):.1f} ms" if result["host"] else "")
               + f": {out}")
     exit_distributed(0)
 
@@ -276,7 +281,10 @@ def main(argv=None):
             raise ConfigError("plan.py models data parallelism with ZeRO, not tensor parallelism: plan with tp_size 1")
         precision = cfg.precision if cfg.precision != "auto" else ("bf16" if a.device != "cpu" else "fp32")
         if a.calibrate:
-            return run_calibration(cfg, precision, a.calibrate, host=not a.no_host_probe)
+            stages = tuple(int(s) for s in a.host_stages.split(",") if s.strip() in ("1", "2", "3"))
+            if not stages or len(stages) != len(a.host_stages.split(",")):
+                raise ConfigError(f"--host_stages takes ZeRO stages 1, 2 and 3, comma-separated; got '{a.host_stages}'")
+            return run_calibration(cfg, precision, a.calibrate, host=not a.no_host_probe, host_stages=stages)
         device = device_of(a)
         if a.world_size < 1 or a.ranks_per_node < 1:
             raise ConfigError("world_size and ranks_per_node must be at least 1")

@@ -100,6 +100,8 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
     device_micro_s = flops / cfg.grad_accum_steps / flop_rate + moved / model_bandwidth
     optimizer_s = optimizer_moved / bandwidth
     probed = (rates or {}).get("host")
+    if probed and str(cfg.zero_stage) not in probed["stages"]:  # probed under other ZeRO stages only
+        probed = None
     if probed:  # the engine's host seconds, measured (planner/host.py)
         serial = target(device) == "cpu"
         host = host_seconds(probed, cfg.zero_stage, plan, serial)

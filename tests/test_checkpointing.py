@@ -14,7 +14,8 @@ from models import build_model, find_blocks
 from engine.memory import allocation_curve, measure_activation_bytes, memory_trace, trace_events
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+# ZeRO-1 keeps the whole weights and gradients as ZeRO-2 does, to the checkpointing: slow, to keep `make test` short
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 2, 3])
 def test_every_policy_matches_none_bitwise_under_zero(stage, tmp_path):
     """4 training steps, 2 ranks, vit-debug and swin-debug: losses and final weights equal `none` exactly, and
     the FLOPs the backward repeats are the ones the plan counted."""

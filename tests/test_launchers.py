@@ -35,7 +35,7 @@ def test_accelerate_launch_two_ranks(debug_args, tmp_path):
     assert len(read_metrics(tmp_path / "run")) == 5
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])  # the plugin's path is one
 def test_accelerate_deepspeed_plugin_sets_the_stage(stage_runs, debug_args, tmp_path, stage):
     """`accelerate launch --config_file accelerate_configs/zeroN.yaml`, as accelerate users run DeepSpeed: the run
     takes ZeRO-N from the config's DeepSpeed JSON and reproduces the deepspeed launcher's ZeRO-N losses bitwise."""

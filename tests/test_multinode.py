@@ -82,7 +82,8 @@ def test_slurm_hostlist_expansion():
     assert expand_hostlist("node7") == ["node7"]
 
 
-@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun", "accelerate"])
+# accelerate's launcher trains in the default suite through tests/test_fault_injection.py's sigterm case
+@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun", pytest.param("accelerate", marks=pytest.mark.slow)])
 def test_slurm_node_script_on_two_nodes(launcher, node_args, one_node, tmp_path):
     """launch/node.sh, as each sbatch script runs it through srun on every node, with the variables Slurm sets
     for a 2-node job: the ranks find each other from them and train as the single node does (6 steps: warm-up

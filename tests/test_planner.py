@@ -337,7 +337,8 @@ def test_calibrate_under_torchrun_and_plan_with_it(tmp_path):
     probe and the lowest bandwidths; an estimate with --calibration charges the model's operators exactly the
     replayed seconds (the step without recompute is the replay plus the host's share beyond the bare model plus
     the optimizer's stream plus the all-gathers at the measured bandwidth; exactly at the profile's own batch,
-    PROFILE_BATCH, which the planner's profile is scaled from).
+    PROFILE_BATCH, which the planner's profile is scaled from). The host is probed under ZeRO-2 alone
+    (--host_stages): a plan at another stage assumes the host's share.
     A calibration of another configuration is refused in one line."""
     from planner.host import host_seconds
 
@@ -346,7 +347,8 @@ def test_calibrate_under_torchrun_and_plan_with_it(tmp_path):
             "--precision", "fp32"]
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore")
     proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2",
-                           "--master_port", str(free_port()), "plan.py", "--calibrate", str(out), *keys],
+                           "--master_port", str(free_port()), "plan.py", "--calibrate", str(out), "--host_stages", "2",
+                           *keys],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     cal = json.loads(out.read_text())
@@ -361,7 +363,7 @@ def test_calibrate_under_torchrun_and_plan_with_it(tmp_path):
     e = json.loads(proc.stdout)
     # the host probe: the slowest rank's seconds, each rising with the depth; charged after the operators
     host = cal["host"]
-    assert host["blocks"] == [4, 12] and set(host["stages"]) == {"1", "2", "3"}
+    assert host["blocks"] == [4, 12] and set(host["stages"]) == {"2"} and e["zero_stage"] == 2
     for stage, figures in host["stages"].items():
         for policy in ("none", "selective", "full"):
             seconds, bare = figures["micro"][policy], figures["plain"][policy]
@@ -383,6 +385,7 @@ def test_calibrate_under_torchrun_and_plan_with_it(tmp_path):
     assert found and {f["micro_batch_size"] for f in found} == {PROFILE_BATCH}
     assert all(f["calibrated"]["flops_per_s"] == cal["flops_per_s"] for f in found)
     assert {f["zero_stage"] for f in found} == {1, 2, 3}
+    assert all(f["host"]["measured"] == (f["zero_stage"] == 2) for f in found)
     proc = plan(*keys[:4], "--micro_batch_size", "8", *keys[6:], *cluster, "--calibration", out)
     assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1 and \
         proc.stderr.startswith(f"error: {out} calibrated another configuration: micro_batch_size {PROFILE_BATCH} (not 8)")

@@ -41,7 +41,8 @@ def steps_logged(run_dir):
         return 0
 
 
-@pytest.mark.parametrize("victim", ["job", "rank 1"])
+# a whole job killed mid-run is also tests/test_fault_injection.py's kill-save, kill-eval and kill-export cases
+@pytest.mark.parametrize("victim", [pytest.param("job", marks=pytest.mark.slow), "rank 1"])
 def test_kill_9_mid_run_resumes_exactly(stage_runs, debug_args, tmp_path, victim):
     """kill -9 of the whole job, or of rank 1 alone (DeepSpeed's launcher then ends the job: it signals rank 0,
     which cannot finish its step without rank 1 and exits after its 2 s grace), after the step-20 checkpoint; an
