@@ -15,6 +15,7 @@ on a GPU as max(host, device), since the device runs what the host has queued wh
 micro-batch is host-bound when the host's share is the larger; the smallest micro-batch whose device time
 covers the host's is the one that saturates the device.
 """
+import contextlib
 import copy
 import gc
 import statistics
@@ -24,6 +25,7 @@ from dataclasses import replace
 import torch
 
 from config import Config
+from engine import compat
 from engine.ds_config import DTYPES, build_ds_config
 from engine.timing import synchronize
 
@@ -85,14 +87,18 @@ def _engine_seconds(config, run: Config, world_size: int, images, labels, device
 
     def bare():
         model(pixel_values=images, labels=labels).loss.backward()
-    bare_s = _median_seconds(bare, lambda: model.zero_grad(set_to_none=True), device, warmup, steps)[0]
+    # a ZeRO-3 engine probed earlier leaves DeepSpeed's linear installed process-wide: the bare model, and the
+    # engines of ZeRO-1 and 2, run torch's own, as in a run of theirs
+    with compat.functional_linear_is_torchs():
+        bare_s = _median_seconds(bare, lambda: model.zero_grad(set_to_none=True), device, warmup, steps)[0]
     plan = apply_activation_checkpointing(model, run.ac, device.type, log=lambda *_: None)
     engine = apply_zero(model, run, ds_config, plan)
 
     def micro():
         engine.backward(engine(pixel_values=images, labels=labels).loss)
     try:
-        return (*_median_seconds(micro, engine.step, device, warmup, steps), bare_s)
+        with compat.functional_linear_is_torchs() if run.zero_stage < 3 else contextlib.nullcontext():
+            return (*_median_seconds(micro, engine.step, device, warmup, steps), bare_s)
     finally:
         engine.destroy()
         gc.collect()
