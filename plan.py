@@ -281,10 +281,11 @@ def main(argv=None):
             raise ConfigError("plan.py models data parallelism with ZeRO, not tensor parallelism: plan with tp_size 1")
         precision = cfg.precision if cfg.precision != "auto" else ("bf16" if a.device != "cpu" else "fp32")
         if a.calibrate:
-            stages = tuple(int(s) for s in a.host_stages.split(",") if s.strip() in ("1", "2", "3"))
-            if not stages or len(stages) != len(a.host_stages.split(",")):
+            stages = [s.strip() for s in a.host_stages.split(",")]
+            if set(stages) - {"1", "2", "3"}:
                 raise ConfigError(f"--host_stages takes ZeRO stages 1, 2 and 3, comma-separated; got '{a.host_stages}'")
-            return run_calibration(cfg, precision, a.calibrate, host=not a.no_host_probe, host_stages=stages)
+            return run_calibration(cfg, precision, a.calibrate, host=not a.no_host_probe,
+                                   host_stages=tuple(sorted({int(s) for s in stages})))
         device = device_of(a)
         if a.world_size < 1 or a.ranks_per_node < 1:
             raise ConfigError("world_size and ranks_per_node must be at least 1")

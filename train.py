@@ -142,13 +142,17 @@ class Run:
     world_size: int
     local_world: int  # ranks on this node
     data_rank: int  # this rank's tensor group among the data-parallel ones (its rank without tensor parallelism)
-    data_ranks: int  # world_size / tp_size: the micro-batches of one accumulation step, read in parallel
     tp_rank: int  # this rank within its tensor group (engine/tensor_parallel.py)
     device: torch.device
     heartbeat: Heartbeat  # where this rank is; a dead or stalled rank stops the others within dist_timeout
     preemption: Preemption  # SIGTERM/SIGUSR1: finish the step, checkpoint, exit
     flush_logs: list  # what a failing rank flushes before it exits
     ckpt_dir: str
+
+    @property
+    def data_ranks(self) -> int:
+        """world_size / tp_size: the micro-batches of one accumulation step, read in parallel."""
+        return self.world_size // self.cfg.tp_size
 
 
 def check_input(argv, rank: int, world_size: int) -> tuple[Config, Checked]:
@@ -183,8 +187,8 @@ def setup(argv) -> Run:
     flush_logs = []
     fail_fast(heartbeat, cfg.output_dir, flush_logs)
     data_rank, tp_rank = layout(rank, cfg.tp_size)
-    run = Run(cfg, checked, rank, world_size, local_world, data_rank, world_size // cfg.tp_size, tp_rank, device,
-              heartbeat, Preemption(cfg.preempt_grace), flush_logs, os.path.join(cfg.output_dir, "checkpoints"))
+    run = Run(cfg, checked, rank, world_size, local_world, data_rank, tp_rank, device, heartbeat,
+              Preemption(cfg.preempt_grace), flush_logs, os.path.join(cfg.output_dir, "checkpoints"))
     if rank == 0:
         remove_interrupted(run.ckpt_dir)
     resume = checked.resume

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from config import Config, ConfigError
 from engine import compat
 from engine.distributed import is_comm_error
+from engine.tensor_parallel import layout
 
 STATE_FILE = "train_state.json"
 UNIVERSAL_SUFFIX = "_universal"
@@ -308,7 +309,7 @@ def missing_files(path: str, world_size: int, stage: int, tp_size: int = 1) -> l
     missing = []
     names = os.listdir(path)
     for r in range(world_size):
-        dp, tp = r // tp_size, r % tp_size
+        dp, tp = layout(r, tp_size)
         optim = f"zero_pp_rank_{dp}_mp_rank_{tp:02d}_optim_states.pt"  # bf16_ prefixed under bf16 with ZeRO-1/2
         if optim not in names and f"bf16_{optim}" not in names:
             missing.append(optim)

@@ -41,14 +41,13 @@ def full_state_dict(engine, rank: int) -> dict:
     import deepspeed
 
     module = engine.module
-    if engine.autotp_size() > 1:  # each AutoTP layer's shards, and under ZeRO-3 its partitions, gathered
-        params = {name for name, _ in module.named_parameters()}
-        buffers = {k: v for k, v in module.state_dict().items() if k not in params} if rank == 0 else {}
-        return {**buffers, **compat.tp_gathered_parameters(engine)}
-    if not engine.zero_optimization_partition_weights():
+    tensor_parallel = engine.autotp_size() > 1
+    if not tensor_parallel and not engine.zero_optimization_partition_weights():
         return module.state_dict() if rank == 0 else {}
     params = {name for name, _ in module.named_parameters()}
     state = {k: v for k, v in module.state_dict().items() if k not in params} if rank == 0 else {}  # buffers
+    if tensor_parallel:  # each AutoTP layer's shards, and under ZeRO-3 its partitions, gathered
+        return {**state, **compat.tp_gathered_parameters(engine)}
     for prefix, sub in module.named_modules():
         own = dict(sub.named_parameters(recurse=False))
         if not own:

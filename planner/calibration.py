@@ -22,8 +22,8 @@ def calibrate(cfg: Config, precision: str, device: torch.device, progress=None, 
     """What this rank measures for a plan of `cfg` (planner/replay.py): the FLOP rate and bandwidth the model's own
     operators reach at its micro-batch, forward and backward; a streaming add's bandwidth (the optimizer's); in a
     process group, the all-gather bandwidth between its ranks; and, with `host` (in a process group), the
-    engine's host seconds per block and per step under the ZeRO stages `host_stages` (planner/host.py). Under torchrun every rank measures at once,
-    sharing the node as a run's ranks do."""
+    engine's host seconds per block and per step under the ZeRO stages `host_stages` (planner/host.py). Under
+    torchrun every rank measures at once, sharing the node as a run's ranks do."""
     import torch.distributed as dist
 
     from planner.host import probe
