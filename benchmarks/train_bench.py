@@ -99,6 +99,9 @@ def main(argv=None):
     parser.add_argument("--out", default="", help="output directory (default: benchmarks/results/<suite>)")
     parser.add_argument("--ranks", type=int, default=0, help="override the suite's ranks (a check, not a result)")
     parser.add_argument("--repeats", type=int, default=0, help="override the suite's repeats (a check, not a result)")
+    parser.add_argument("--shapes", default="",
+                        help="comma-separated models of the suite's shapes to run (say vit-small): a suite too long "
+                             "for one sitting runs one shape at a time, each shape's ratios still from one invocation")
     parser.add_argument("--micro_batch_size", type=int, default=0,
                         help="override every shape's micro-batch (gpu_check.sh: the one plan.py picks)")
     parser.add_argument("--compare", default="",
@@ -122,6 +125,15 @@ def main(argv=None):
                   for s in suite.shapes]
         runs = {new.label: suite.runs.get(old.label, suite.runs.get("*")) for old, new in zip(suite.shapes, shapes)}
         suite = dataclasses.replace(suite, shapes=shapes, runs=runs)
+    if args.shapes:
+        import dataclasses
+
+        wanted = args.shapes.split(",")
+        unknown = set(wanted) - {s.model for s in suite.shapes}
+        if unknown:
+            sys.exit(f"error: --shapes {','.join(sorted(unknown))}: the {args.suite} suite's shapes are "
+                     f"{', '.join(s.model for s in suite.shapes)}")
+        suite = dataclasses.replace(suite, shapes=[s for s in suite.shapes if s.model in wanted])
     if args.suite.startswith("gpu") and not args.suite.endswith("smoke") and torch.cuda.device_count() < suite.ranks:
         sys.exit(f"error: the {args.suite} suite needs {suite.ranks} GPUs on this node; found {torch.cuda.device_count()}")
     out_dir = args.out or os.path.join(REPO, "benchmarks", "results", args.suite)
@@ -218,7 +230,8 @@ def write_report(out_dir: str, suite_name: str, suite: Suite, results: list, gem
     not_reproduced = []
     if compare_to:
         with open(os.path.join(compare_to, "results.csv")) as f:
-            reference = list(csv.DictReader(f))
+            shapes = {s.label for s in suite.shapes}  # a run of some of the suite's shapes (--shapes)
+            reference = [r for r in csv.DictReader(f) if r["shape"] in shapes]
         # through CSV, as the reference was read: the same strings on both sides
         with open(os.path.join(out_dir, "results.csv")) as f:
             lines, not_reproduced = compare(list(csv.DictReader(f)), reference)
