@@ -20,7 +20,8 @@ from config import Config, ConfigError, parse, to_dict
 
 
 def cluster_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=True,
+    # no abbreviations: the keys left for train.py's parser (--tp_size) must not be read as a prefix of one here
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=True, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--world_size", type=int, default=8, help="ranks (devices) in the job")
     parser.add_argument("--ranks_per_node", type=int, default=8, help="ranks per node")
@@ -38,6 +39,9 @@ def cluster_args(argv):
                                                   "(0.7)")
     parser.add_argument("--overlap", type=float, default=0.0, help="fraction of communication hidden (0)")
     parser.add_argument("--global_batch", type=int, help="search every configuration with this global batch")
+    parser.add_argument("--tp_sizes", default="",
+                        help="tensor-parallel sizes a search tries, comma-separated (default: tp_size if the "
+                             "configuration sets it above 1, else every power of two the model and nodes allow)")
     parser.add_argument("--top", type=int, default=10, help="configurations listed by a search")
     parser.add_argument("--out", help="write the best configuration here: config.yaml, ds_config.json, launch.sh")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -83,8 +87,12 @@ def gib(n: float) -> str:
 
 def describe(e: dict) -> str:
     m, cal = e["memory"], e["calibrated"]
-    lines = [f"{e['model']} ({e['params'] / 1e9:.3f}B params), {e['image_size']}px, {e['precision']} | ZeRO-{e['zero_stage']}"
-             f" | micro-batch {e['micro_batch_size']} x {e['grad_accum_steps']} accumulation x {e['world_size']} ranks "
+    tp = e["tp_size"]
+    lines = [f"{e['model']} ({e['params'] / 1e9:.3f}B params" + (" per rank of a tensor group" if tp > 1 else "")
+             + f"), {e['image_size']}px, {e['precision']} | ZeRO-{e['zero_stage']}"
+             + (f" x tensor parallel {tp}" if tp > 1 else "")
+             + f" | micro-batch {e['micro_batch_size']} x {e['grad_accum_steps']} accumulation x "
+             f"{e['world_size'] // tp} {'data-parallel ' if tp > 1 else ''}ranks "
              f"= {e['global_batch']} images | ac {e['ac']} {e['plan']} | {e['world_size']} x {e['device']}, "
              f"{e['ranks_per_node']} per node",
              "per-rank peak memory (GiB): " + ", ".join(f"{k} {gib(v)}" for k, v in m.items())
@@ -101,6 +109,9 @@ def describe(e: dict) -> str:
              f"({e['comm_bytes_per_step_per_rank'] / 1e9:.2f} GB per rank, {e['comm_bytes_between_nodes'] / 1e9:.2f} GB of it "
              f"between nodes at {e['assumptions']['inter_gbs']:g} GB/s, within at {e['assumptions']['intra_gbs']:g} GB/s; "
              f"{e['assumptions']['overlap']:.0%} hidden)"
+             + (f" + tensor-parallel all-reduces {e['tp_comm_s'] * 1e3:.1f} ms ("
+                f"{e['tp_comm_bytes_per_step_per_rank'] / 1e9:.2f} GB per rank within the node, not hidden)"
+                if tp > 1 else "")
              + (f" + offload {e['offload']['offload_s'] * 1e3:.1f} ms" if e["offload"]["offload_s"] else "")
              + f" | {e['images_per_s']:.0f} images/s"]
     h = e["host"]
@@ -120,14 +131,48 @@ def describe(e: dict) -> str:
     return "\n".join(lines)
 
 
+def variant(e: dict) -> str:
+    """ZeRO-3's variants as the tables mark them: ++ (ZeRO++), off (ZeRO-Offload)."""
+    return "++" if e["zeropp"] else (" off" if e["offload"]["optimizer"] else "")
+
+
+def tp_candidates(text: str):
+    """--tp_sizes as a list of sizes (None: the search's default)."""
+    if not text:
+        return None
+    try:
+        sizes = sorted({int(t) for t in text.split(",")})
+    except ValueError:
+        sizes = [0]
+    if sizes[0] < 1:
+        raise ConfigError(f"--tp_sizes takes positive integers, comma-separated; got '{text}'")
+    return sizes
+
+
+def by_tp_size(found: list) -> str:
+    """The fastest configuration of each tensor-parallel size searched, against the fastest without it."""
+    best = {}
+    for e in found:  # fastest first
+        best.setdefault(e["tp_size"], e)
+    if len(best) < 2:
+        return ""
+    lines = ["", "", "the fastest of each tensor-parallel size:"]
+    plain = best.get(1)
+    for tp, e in sorted(best.items()):
+        against = f", {e['images_per_s'] / plain['images_per_s']:.2f}x tp 1's" if plain and tp > 1 else ""
+        lines.append(f"  tp {tp}: ZeRO-{e['zero_stage']}{variant(e)}, micro-batch {e['micro_batch_size']} x "
+                     f"{e['grad_accum_steps']}, ac {e['ac']}: {e['step_s']:.3f} s a step, {e['images_per_s']:.0f} "
+                     f"images/s, peak {gib(e['peak_bytes'])} GiB{against}")
+    return "\n".join(lines)
+
+
 def table(found: list, top: int) -> str:
-    rows = ["| # | ZeRO (++: ZeRO++, off: offload) | micro | accum | ac | peak GiB | step s | images/s | compute s | "
-            "comm s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| # | ZeRO (++: ZeRO++, off: offload) | TP | micro | accum | ac | peak GiB | step s | images/s | "
+            "compute s | comm s | TP comm s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, e in enumerate(found[:top]):
-        kind = "++" if e["zeropp"] else (" off" if e["offload"]["optimizer"] else "")
-        rows.append(f"| {i + 1} | {e['zero_stage']}{kind} | {e['micro_batch_size']} | {e['grad_accum_steps']} | {e['ac']} | "
-                    f"{gib(e['peak_bytes'])} | {e['step_s']:.3f} | {e['images_per_s']:.0f} | {e['compute_s']:.3f} | "
-                    f"{e['comm_s']:.3f} |")
+        rows.append(f"| {i + 1} | {e['zero_stage']}{variant(e)} | {e['tp_size']} | {e['micro_batch_size']} | "
+                    f"{e['grad_accum_steps']} | {e['ac']} | {gib(e['peak_bytes'])} | {e['step_s']:.3f} | "
+                    f"{e['images_per_s']:.0f} | {e['compute_s']:.3f} | {e['comm_s']:.3f} | {e['tp_comm_s']:.3f} |")
     return "\n".join(rows)
 
 
@@ -141,8 +186,8 @@ def draw(estimates: list, path: str, title: str):
 
     parts = list(estimates[0]["memory"])
     fig, ax = plt.subplots(figsize=(max(7.0, 1.1 * len(estimates) + 1.5), 5.5))
-    labels = [f"Z{e['zero_stage']}{'++' if e['zeropp'] else ''} mb{e['micro_batch_size']}x{e['grad_accum_steps']}\n{e['ac']}"
-              for e in estimates]
+    labels = [f"Z{e['zero_stage']}{'++' if e['zeropp'] else ''}{f' TP{t}' if (t := e['tp_size']) > 1 else ''} "
+              f"mb{e['micro_batch_size']}x{e['grad_accum_steps']}\n{e['ac']}" for e in estimates]
     bottom = [0.0] * len(estimates)
     for part in parts:
         heights = [e["memory"][part] / 2**30 for e in estimates]
@@ -171,7 +216,7 @@ def write_plan(best: dict, cfg, ds_config: dict, out: str, a):
     with open(os.path.join(out, "config.yaml"), "w") as f:
         f.write(f"# plan.py's best configuration for {a.world_size} x {best['device']} (plan.json: the estimate).\n"
                 f"# Add train_shards, val_shards, output_dir and the schedule (lr, max_steps, ...) of your run.\n")
-        planned = {"model", "num_labels", "image_size", "precision", "zero_stage", "micro_batch_size",
+        planned = {"model", "num_labels", "image_size", "precision", "zero_stage", "tp_size", "micro_batch_size",
                    "grad_accum_steps", "ac"}  # written even where they equal today's defaults
         yaml.safe_dump({k: v for k, v in to_dict(cfg).items() if v != defaults[k] or k in planned}, f, sort_keys=False)
     with open(os.path.join(out, "ds_config.json"), "w") as f:
@@ -268,6 +313,7 @@ def main(argv=None):
         from planner.devices import DEFAULT_MBU, DEFAULT_MFU, DEVICES
         from planner.estimate import estimate
         from planner.search import search, smallest_cluster
+        from engine.tensor_parallel import check_tp
         from models.registry import model_config
 
         if a.list_devices:
@@ -277,8 +323,8 @@ def main(argv=None):
                       f"the host, {d.host_memory_gib:g} GiB of host memory per node")
             return 0
         cfg = parse(rest)
-        if cfg.tp_size > 1:
-            raise ConfigError("plan.py models data parallelism with ZeRO, not tensor parallelism: plan with tp_size 1")
+        if cfg.tp_size > 1 and (a.calibrate or a.calibration):
+            raise ConfigError("a calibration measures the model unsplit: calibrate and plan with it at tp_size 1")
         precision = cfg.precision if cfg.precision != "auto" else ("bf16" if a.device != "cpu" else "fp32")
         if a.calibrate:
             stages = [s.strip() for s in a.host_stages.split(",")]
@@ -298,7 +344,7 @@ def main(argv=None):
             mbu = 1.0  # measured
         if a.global_batch:
             found = search(cfg, ds_for, precision, a.world_size, a.ranks_per_node, device, a.global_batch, mfu,
-                           a.overlap, mbu=mbu, rates=rates)
+                           a.overlap, mbu=mbu, rates=rates, tp=tp_candidates(a.tp_sizes))
             if not found:
                 smallest, with_offload = smallest_cluster(cfg, ds_for, precision, a.ranks_per_node, device)
                 raise ConfigError(
@@ -312,18 +358,21 @@ def main(argv=None):
                 print(json.dumps({"best": best, "feasible": found[:a.top], "count": len(found)}, indent=1))
             else:
                 print(f"{len(found)} configurations fit; the fastest {min(a.top, len(found))}:\n{table(found, a.top)}"
-                      f"\n\nbest:\n{describe(best)}")
+                      f"{by_tp_size(found)}\n\nbest:\n{describe(best)}")
             if a.picture:
                 draw(found[:a.top], a.picture, f"{cfg.model}, {a.world_size} x {device.name}, global batch "
                                                f"{a.global_batch}: the {min(a.top, len(found))} fastest that fit")
             if a.out:
-                chosen = replace(cfg, zero_stage=best["zero_stage"], micro_batch_size=best["micro_batch_size"],
+                chosen = replace(cfg, zero_stage=best["zero_stage"], tp_size=best["tp_size"],
+                                 micro_batch_size=best["micro_batch_size"],
                                  grad_accum_steps=best["grad_accum_steps"], ac=best["ac"], precision=precision,
                                  ds_config=best["ds_config_template"])
                 write_plan(best, chosen, ds_for(chosen), a.out, a)
                 if not a.json:
                     print(f"written: {a.out}/config.yaml, ds_config.json, plan.json, launch.sh")
             return 0
+        check_tp(model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size), cfg.tp_size, a.world_size,
+                 a.ranks_per_node)
         e = estimate(cfg, ds_for(cfg), precision, a.world_size, a.ranks_per_node, device, mfu, a.overlap,
                      mbu=mbu, rates=rates)
         print(json.dumps(e, indent=1) if a.json else describe(e))

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import compat
+from engine.tensor_parallel import shard_like_autotp
 from models.blocks import find_blocks
 from models.registry import meta_model
 
@@ -197,8 +198,11 @@ def profile_model(cfg, device_type: str, dtype: torch.dtype = torch.float32):
     """(block profile at the run's micro-batch, parameters, largest block's parameters) from a forward of
     PROFILE_BATCH images on the meta device, in `dtype` (DeepSpeed's bf16 and fp16 run the whole model in it).
     Attention runs as the fused kernel torch's SDPA picks on `device_type` (flash attention), whose saved
-    tensors differ from the math fallback meta would take."""
+    tensors differ from the math fallback meta would take. Under tensor parallelism (`cfg.tp_size`) the model is
+    one rank's share of it, as AutoTP splits it: the figures are a rank's."""
     model = meta_model(cfg).to(dtype)
+    if cfg.tp_size > 1:
+        shard_like_autotp(model, cfg.tp_size)
     images = torch.empty(PROFILE_BATCH, 3, cfg.image_size, cfg.image_size, device="meta", dtype=dtype)
     with compat.sdpa_as_on(device_type):
         prof = profile_blocks(model, images)

@@ -39,6 +39,7 @@ from engine.distributed import exit_distributed, flush_cpu_denormals, init_distr
 from engine.memory import allocation_curve, trace_events
 from engine.optim import lr_schedule, param_groups
 from engine.parallelize import apply_ac, build_engine, build_training_model, engine_config
+from engine.tensor_parallel import layout
 from engine.timing import clock
 from models import build_model, find_blocks, model_config
 
@@ -85,12 +86,13 @@ class Spec:
     num_labels: int = 10
     ds_config: str = ""  # deepspeed: a DeepSpeed JSON template (run config key ds_config); "" = ds_configs/zero{zero}.json
     compile: bool = False  # torch.compile: DeepSpeed's engine.compile() (train.py's); FSDP2 each block in place
+    tp_size: int = 1  # deepspeed: tensor parallelism (train.py's tp_size); a tensor group's ranks see one batch
 
 
 def batch(spec: Spec, rank: int, step: int):
     """The rank's images and labels of one optimizer step, micro-batches together: a step's draws depend on
-    the seed, the rank and the step, not on how the step is cut into micro-batches."""
-    g = torch.Generator().manual_seed(spec.seed * 1_000_003 + rank * 1009 + step)
+    the seed, the data-parallel rank and the step, not on how the step is cut into micro-batches."""
+    g = torch.Generator().manual_seed(spec.seed * 1_000_003 + layout(rank, spec.tp_size)[0] * 1009 + step)
     n = spec.micro_batch_size * spec.grad_accum_steps
     images = torch.randn(n, 3, spec.image_size, spec.image_size, generator=g)
     return images, torch.randint(0, spec.num_labels, (n,), generator=g)
@@ -103,7 +105,7 @@ def run_config(spec: Spec) -> Config:
     return Config(model=spec.model, num_labels=spec.num_labels, image_size=spec.image_size,
                   patch_size=spec.patch_size, zero_stage=spec.zero, ac="none" if spec.ac.startswith("hf:") else spec.ac,
                   micro_batch_size=spec.micro_batch_size, grad_accum_steps=spec.grad_accum_steps, warmup_steps=20, max_steps=100, seed=spec.seed,
-                  ds_config=spec.ds_config, compile=spec.compile)
+                  ds_config=spec.ds_config, compile=spec.compile, tp_size=spec.tp_size)
 
 
 class FSDP2Step:
@@ -333,7 +335,7 @@ def main(argv=None):
     dist.all_gather(gathered, figures)
     if rank == 0:
         timed = times[first_timed:]
-        global_batch = spec.micro_batch_size * spec.grad_accum_steps * world_size
+        global_batch = spec.micro_batch_size * spec.grad_accum_steps * world_size // spec.tp_size
         # one figure, every rank (None: not measured)
         column = lambda i: [int(g[i]) if math.isfinite(g[i]) else None for g in gathered]  # noqa: E731
         result = {"spec": dataclasses.asdict(spec), "world_size": world_size, "device": device.type,

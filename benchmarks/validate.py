@@ -27,7 +27,8 @@ from models.registry import model_config
 STEP_TOLERANCE = 0.25  # what the planner's calibrated step time is held to on the measured suites
 
 
-def validate(results_csv: str, mfu: float = 1.0, intra_gbs: float = 10.0, save: bool = False) -> list:
+def validate(results_csv: str, mfu: float = 1.0, intra_gbs: float = 10.0, save: bool = False,
+             reprobe: bool = False) -> list:
     """The planner's predictions for every DeepSpeed row of a benchmark suite's results.csv (runs.jsonl and
     environment.json beside it give each row's configuration and what was measured in the same run), with the
     measured peak memory and step time and the errors. Two step times: `assumed`, every FLOP at the GEMM rate
@@ -36,7 +37,9 @@ def validate(results_csv: str, mfu: float = 1.0, intra_gbs: float = 10.0, save: 
     rates, the all-gather bandwidth and the engine's host seconds (planner/host.py), measured with all ranks
     running), recorded in the run or, for a run that did not record one (or its host probe), in
     calibration.json beside it, or else measured now on this machine (and, with `save`, written there, dated,
-    so that the validation's figures can be reproduced)."""
+    so that the validation's figures can be reproduced). `reprobe`: probe the host now for every shape, on a
+    CPU of the run's model, in place of the run's own probe (a probe since found faulty); saved, it replaces
+    the run's in later validations too."""
     folder = os.path.dirname(os.path.abspath(results_csv))
     with open(results_csv) as f:
         # eager rows only: the planner models the eager step (a compiled one fuses what it counts)
@@ -59,9 +62,11 @@ def validate(results_csv: str, mfu: float = 1.0, intra_gbs: float = 10.0, save: 
     for shape, c in saved.items():
         if shape not in calibrations:
             calibrations[shape], sources[shape] = c, f"measured at validation on {c['date']}"
-        elif not calibrations[shape].get("host") and c.get("host"):  # a run whose calibration has no host probe
+        elif c.get("host") and (not calibrations[shape].get("host") or c.get("host_replaces_run")):
+            # a run whose calibration has no host probe, or one re-probed (--reprobe)
             calibrations[shape] = {**calibrations[shape], "host": c["host"]}
-            sources[shape] += f"; the host probed at validation on {c.get('host_date', c['date'])}"
+            sources[shape] += f"; the host probed at validation on {c.get('host_date', c['date'])}" + (
+                " in place of the run's probe" if c.get("host_replaces_run") else "")
     added = {}
     out = []
     for row in rows:
@@ -89,14 +94,18 @@ def validate(results_csv: str, mfu: float = 1.0, intra_gbs: float = 10.0, save: 
         if row["shape"] in calibrations and not calibrations[row["shape"]].get("host") and not here:
             if "host" not in sources[row["shape"]]:
                 sources[row["shape"]] += f"; no host probe (the run's CPU is not this machine's, {cpu_name()})"
-        elif not (calibrations.get(row["shape"]) or {}).get("host"):
+        elif not (calibrations.get(row["shape"]) or {}).get("host") or (reprobe and here
+                                                                        and row["shape"] not in added):
             now = dict(calibrate_job(cfg.model, cfg.image_size, cfg.patch_size, cfg.micro_batch_size, cfg.num_labels,
                                      world, threads, precision), date=datetime.date.today().isoformat())
             # saved with the rates it was used with: the run's own stay in environment.json
-            added[row["shape"]] = {**(saved.get(row["shape"]) or now), "host": now["host"], "host_date": now["date"]}
+            added[row["shape"]] = {**(saved.get(row["shape"]) or now), "host": now["host"], "host_date": now["date"],
+                                   "host_replaces_run": reprobe}
             if row["shape"] in calibrations:  # the run's rates, with the host probed now
                 calibrations[row["shape"]] = {**calibrations[row["shape"]], "host": now["host"]}
-                sources[row["shape"]] += f"; the host probed at validation on {now['date']}"
+                sources[row["shape"]] = sources[row["shape"]].split("; the host probed")[0] + (
+                    f"; the host probed at validation on {now['date']}"
+                    + (" in place of the run's probe" if reprobe else ""))
             else:
                 calibrations[row["shape"]] = now
                 sources[row["shape"]] = f"measured at validation on {now['date']}"
@@ -109,7 +118,8 @@ def validate(results_csv: str, mfu: float = 1.0, intra_gbs: float = 10.0, save: 
                     "peak_predicted": est["peak_bytes"], "peak_measured": measured_peak,
                     "peak_error": est["peak_bytes"] / measured_peak - 1, "step_measured": step_s,
                     "step_predicted": est["step_s"], "step_error": est["step_s"] / step_s - 1,
-                    "compute_s": est["compute_s"], "memory_bound_s": est["memory_bound_s"], "comm_s": est["comm_s"],
+                    "compute_s": est["compute_s"], "memory_bound_s": est["memory_bound_s"],
+                    "comm_s": est["comm_s"] + est["tp_comm_s"], "tp_size": cfg.tp_size,
                     "host_micro_s": est["host"]["micro_s"], "host_bound": est["host"]["bound"],
                     "micro_batch_size": cfg.micro_batch_size, "grad_accum_steps": cfg.grad_accum_steps,
                     "step_assumed": assumed["step_s"], "step_error_assumed": assumed["step_s"] / step_s - 1,
@@ -193,9 +203,17 @@ def main(argv=None):
     parser.add_argument("--mfu", type=float, default=1.0, help="the assumed step time's fraction of the run's GEMM rate")
     parser.add_argument("--intra_gbs", type=float, default=10.0, help="the assumed step time's collective bandwidth")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.add_argument("--reprobe", action="store_true",
+                        help="probe the host now (on a CPU of the run's model) in place of the run's own probe, save "
+                             "it to calibration.json beside results.csv and rewrite planner.md with it")
     a = parser.parse_args(argv)
     if not torch.cuda.is_available():  # DeepSpeed's CPU accelerator, named: it would print that it guessed it
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if a.reprobe:
+        validate(a.results_csv, mfu=a.mfu, intra_gbs=a.intra_gbs, save=True, reprobe=True)
+        folder = os.path.dirname(os.path.abspath(a.results_csv))
+        with open(os.path.join(folder, "environment.json")) as f:
+            write_validation(folder, json.load(f)["suite"])
     rows = validate(a.results_csv, mfu=a.mfu, intra_gbs=a.intra_gbs)
     print(json.dumps(rows, indent=1) if a.json else validation_table(rows))
     return 0

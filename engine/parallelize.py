@@ -15,7 +15,7 @@ from engine import compat
 from engine.ds_config import DTYPES, build_ds_config, resolve_precision
 from engine.memory import zero_memory_bytes
 from engine.optim import freeze, lr_schedule, param_groups
-from engine.tensor_parallel import layout, shard_head_biases, tp_config
+from engine.tensor_parallel import layout, rank_params, shard_head_biases, tp_config
 from models import build_model
 from models.blocks import find_blocks
 
@@ -85,10 +85,10 @@ def parallelize(model: torch.nn.Module, cfg: Config, ds_config: dict, world_size
     The order is fixed: checkpointing wraps the bare blocks (it profiles the model as defined), ZeRO then hooks
     whatever the blocks have become, and torch.compile traces the model with ZeRO's hooks in place.
     """
-    # under tensor parallelism a rank holds about 1/tp_size of the weights (the blocks' matrices: the norms,
-    # embeddings and head are replicated), and ZeRO partitions them over world_size / tp_size ranks
-    fixed = zero_memory_bytes(sum(compat.param_numel(p) for p in model.parameters()) // cfg.tp_size, cfg.zero_stage,
-                              world_size // cfg.tp_size, precision, ds_config)
+    # under tensor parallelism a rank holds its share of the blocks' matrices and the replicated rest, and ZeRO
+    # partitions them over world_size / tp_size ranks
+    fixed = zero_memory_bytes(rank_params(model, cfg.tp_size), cfg.zero_stage, world_size // cfg.tp_size, precision,
+                              ds_config)
     ac_plan = apply_ac(model, cfg, fixed, precision, device_type, log)
     engine = apply_zero(model, cfg, ds_config, ac_plan)
     apply_compile(engine, cfg, log)

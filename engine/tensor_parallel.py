@@ -21,6 +21,7 @@ import re
 import torch
 
 from config import ConfigError
+from engine import compat
 from models.blocks import find_blocks
 
 # the linear layers of a block, in the order a ViT or Swin block registers them, and how each is split
@@ -99,3 +100,50 @@ def shard_head_biases(model: torch.nn.Module, tp_rank: int, tp_size: int):
 
     for _, module in head_bias_tables(model):
         module.register_forward_hook(local_heads)
+
+
+def unshard(name: str, shards: list[torch.Tensor], full_shape) -> torch.Tensor:
+    """The whole tensor `name` from its tensor-parallel shards, one per tensor rank in rank order: concatenated
+    along the one dimension where a shard is tp_size times smaller than the model's, or the shards' common value
+    where the tensor is replicated (ValueError if the replicas differ, or a shard fits neither)."""
+    shape, full_shape = tuple(shards[0].shape), tuple(full_shape)
+    if shape == full_shape:
+        if any(not torch.equal(shards[0], s) for s in shards[1:]):
+            raise ValueError(f"{name} is replicated over the tensor group but differs between its ranks")
+        return shards[0]
+    split = [d for d, (a, b) in enumerate(zip(shape, full_shape)) if a != b]
+    if len(shape) != len(full_shape) or len(split) != 1 or shape[split[0]] * len(shards) != full_shape[split[0]]:
+        raise ValueError(f"{name}: shards of shape {list(shape)} are not a {len(shards)}-way split of the model's "
+                         f"{list(full_shape)}")
+    return torch.cat(shards, dim=split[0])
+
+
+def shard_like_autotp(model: torch.nn.Module, tp_size: int) -> torch.nn.Module:
+    """`model` (on the meta device) as the first rank of a tensor group holds it after AutoTP: each block's
+    column-split linear layers with 1/tp_size of their outputs, the row-split ones with 1/tp_size of their inputs
+    (and the whole bias, added after the all-reduce), the modules holding them with 1/tp_size of their heads (the
+    count AutoTP divides), Swin's position biases giving the rank's heads. What the planner profiles: its saved
+    tensors, FLOPs and parameters are one rank's."""
+    parents = {}
+    for prefix, how in block_linears(model):
+        parent_name, _, child = prefix.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        old = getattr(parent, child)
+        out_features = old.out_features // tp_size if how == "column" else old.out_features
+        in_features = old.in_features // tp_size if how == "row" else old.in_features
+        setattr(parent, child, torch.nn.Linear(in_features, out_features, bias=old.bias is not None,
+                                               device=old.weight.device, dtype=old.weight.dtype))
+        parents[parent_name] = parent
+    for parent in parents.values():
+        if isinstance(getattr(parent, "num_attention_heads", None), int):
+            parent.num_attention_heads //= tp_size
+    shard_head_biases(model, 0, tp_size)
+    return model
+
+
+def rank_params(model: torch.nn.Module, tp_size: int) -> int:
+    """Parameters one rank of a tensor group holds before ZeRO partitions them: the split linear layers' weights
+    and column-split biases over tp_size, everything else whole."""
+    split = {f"{prefix}.weight" for prefix, _ in block_linears(model)} | {
+        f"{prefix}.bias" for prefix, how in block_linears(model) if how == "column"}
+    return sum(compat.param_numel(p) // (tp_size if name in split else 1) for name, p in model.named_parameters())

@@ -56,6 +56,17 @@ def comm_bytes(n_params: int, zero_stage: int, grad_accum: int, world_size: int,
     return intra, inter
 
 
+def tp_allreduce_bytes(prof, plan, tp_size: int) -> float:
+    """Bytes a rank sends per micro-batch in its tensor group's all-reduces (Megatron's count, Shoeybi et al.
+    2019): each block's output, the size of its input, is all-reduced twice in the forward (after the attention
+    output and after the MLP) and twice in the backward (the gradients of the inputs of the column-split
+    layers), twice more in a block recomputed whole; a ring all-reduce sends 2(N-1)/N of the tensor."""
+    if tp_size == 1:
+        return 0.0
+    passes = sum((4 + 2 * (how == "full")) * p.bytes_full for p, how in zip(prof, plan))
+    return passes * 2 * (tp_size - 1) / tp_size
+
+
 def _blocks_of(prof):
     """Stand-ins for the model's blocks where only their profile is known (what choose_plan reads)."""
     return [Block(name=p.name, module=None, index=i, stage=p.stage) for i, p in enumerate(prof)]
@@ -75,11 +86,17 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
     device's peak and `mbu` of its bandwidth (the optimizer's stream stays at `mbu` of the device's bandwidth),
     and "host", the engine's host seconds probed by the calibration (planner/host.py): charged per micro-batch
     after the operators on a CPU, beside them (the longer of the two) on a GPU. Without it the host is a launch
-    cost per operator, `device.op_overhead_s`."""
+    cost per operator, `device.op_overhead_s`.
+
+    Under tensor parallelism (`cfg.tp_size`) the profile is one rank's share of the model (ac/profile.py), ZeRO
+    partitions that share over the world_size / tp_size data-parallel ranks, and the tensor group's all-reduces
+    (tp_allreduce_bytes) run over the node's links between the operators that need them: not overlapped."""
     prof, n_params, largest = measured or profile_model(cfg, target(device), DTYPES[precision])
     fwd_flops, n_ops = prof.forward_flops / cfg.micro_batch_size, prof.ops
-    parts = zero_memory_parts(n_params, cfg.zero_stage, world_size, precision, ds_config)
-    fixed = zero_memory_bytes(n_params, cfg.zero_stage, world_size, precision, ds_config)
+    tp = cfg.tp_size
+    data_ranks = world_size // tp  # ZeRO's partitions and the data-parallel collectives: over these
+    parts = zero_memory_parts(n_params, cfg.zero_stage, data_ranks, precision, ds_config)
+    fixed = zero_memory_bytes(n_params, cfg.zero_stage, data_ranks, precision, ds_config)
     plan = choose_plan(cfg.ac, _blocks_of(prof), prof, fixed)
     figures = plan_figures(prof, plan, fixed)
     activations = figures["activation_peak_planned"]
@@ -91,7 +108,7 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
     # memory traffic of a micro-batch: forward, backward, and the recomputed cheap ops (read twice, written once)
     rerun = sum(p.cheap_elems for p, how in zip(prof, plan) if how in ("full", "selective"))
     moved = 3 * prof.moved_bytes + 3 * rerun * weight_bytes
-    optimizer_moved = OPTIMIZER_BYTES_PER_PARAM * n_params / world_size if not offloaded(cfg.zero_stage, ds_config)[0] \
+    optimizer_moved = OPTIMIZER_BYTES_PER_PARAM * n_params / data_ranks if not offloaded(cfg.zero_stage, ds_config)[0] \
         else 0
     bandwidth = device.mem_gbs * 1e9 * mbu
     flop_rate, model_bandwidth = (rates["flops_per_s"], rates["bytes_per_s"]) if rates else (device.flops * mfu,
@@ -120,32 +137,34 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
     saturating = math.ceil(host_micro_s / per_image_s) if per_image_s > 0 and host_micro_s > 0 else 1
     compute_s = micro_s * cfg.grad_accum_steps + optimizer_s
     zero = ds_config.get("zero_optimization", {})
-    intra, inter = comm_bytes(n_params, cfg.zero_stage, cfg.grad_accum_steps, world_size, ranks_per_node,
+    intra, inter = comm_bytes(n_params, cfg.zero_stage, cfg.grad_accum_steps, data_ranks, max(1, ranks_per_node // tp),
                               weight_bytes, zero)
     sent = intra + inter
     comm_s = intra / (device.intra_gbs * 1e9) + inter / (device.inter_gbs * 1e9)
+    tp_bytes = tp_allreduce_bytes(prof, plan, tp) * cfg.grad_accum_steps
+    tp_s = tp_bytes / (device.intra_gbs * 1e9)
     zeropp = cfg.zero_stage == 3 and bool(zero.get("zero_quantized_weights") or zero.get("zero_quantized_gradients")
                                           or zero.get("zero_hpz_partition_size", 1) > 1)
     # ZeRO-Offload: the gradient partition goes to the host and the updated weights come back every step, the
     # host's CPU Adam updates the node's partitions, and offloaded weights cross PCIe for every gather (forward
     # and backward of each micro-batch); none of it overlapped
     optimizer_off, param_off = offloaded(cfg.zero_stage, ds_config)
-    part = n_params / world_size
+    part = n_params / data_ranks
     host_bytes = (2 * weight_bytes * part if optimizer_off else 0) + (
         2 * weight_bytes * part * cfg.grad_accum_steps if param_off else 0)
     node_ranks = min(ranks_per_node, world_size)
     host_adam_s = part * node_ranks / HOST_ADAM_PARAMS_PER_S if optimizer_off else 0.0
     offload_s = host_bytes / (device.host_gbs * 1e9) + host_adam_s
-    step_s = compute_s + (1 - overlap) * comm_s + offload_s
+    step_s = compute_s + (1 - overlap) * comm_s + tp_s + offload_s
     capacity = (device.memory_gib - RESERVED_GIB) * (1 - ALLOCATOR_MARGIN) * GiB
-    host = offloaded_bytes(n_params, cfg.zero_stage, world_size, precision, ds_config)
+    host = offloaded_bytes(n_params, cfg.zero_stage, data_ranks, precision, ds_config)
     host_fits = host * node_ranks <= device.host_memory_gib * GiB * (1 - ALLOCATOR_MARGIN)
     return {
         "model": cfg.model, "params": n_params, "largest_block_params": largest, "image_size": cfg.image_size,
         "precision": precision, "zero_stage": cfg.zero_stage, "micro_batch_size": cfg.micro_batch_size,
         "grad_accum_steps": cfg.grad_accum_steps, "ac": cfg.ac, "plan": {h: plan.count(h) for h in set(plan)},
-        "world_size": world_size, "ranks_per_node": ranks_per_node, "device": device.name,
-        "global_batch": images * world_size,
+        "world_size": world_size, "ranks_per_node": ranks_per_node, "device": device.name, "tp_size": tp,
+        "global_batch": images * data_ranks,
         "memory": {**{k: v for k, v in parts.items() if k != "optimizer_step_temporaries"},
                    "activations": activations, "optimizer_step_temporaries": parts["optimizer_step_temporaries"]},
         "peak_bytes": peak, "peak_moment": "backward" if peak > fixed["optimizer_step"] else "optimizer_step",
@@ -156,9 +175,10 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
         "flops_per_step_per_rank": flops, "forward_flops_per_image": fwd_flops,
         "recompute_fraction": figures["recompute_flops_fraction"],
         "comm_bytes_per_step_per_rank": sent, "comm_bytes_between_nodes": inter, "zeropp": bool(zeropp),
+        "tp_comm_bytes_per_step_per_rank": tp_bytes, "tp_comm_s": tp_s,
         "ds_config_template": cfg.ds_config, "compute_s": compute_s, "memory_bound_s": memory_s, "comm_s": comm_s,
         "step_s": step_s, "memory_bytes_per_step_per_rank": moved * cfg.grad_accum_steps + optimizer_moved,
-        "images_per_s": images * world_size / step_s,
+        "images_per_s": images * data_ranks / step_s,
         "calibrated": {k: v for k, v in rates.items() if k != "host"} if rates else None,
         "host": {"micro_s": host_micro_s, "device_micro_s": device_micro_s, "bound": host_micro_s > device_micro_s,
                  "saturating_micro_batch": saturating, "measured": bool(probed)},

@@ -4,6 +4,8 @@ from dataclasses import replace
 from ac.profile import PROFILE_BATCH, profile_model
 from config import Config, ConfigError
 from engine.ds_config import DTYPES
+from engine.tensor_parallel import check_tp
+from models.registry import model_config
 from planner.devices import DEFAULT_MBU, DEFAULT_MFU, Device, target
 from planner.estimate import OFFLOAD_TEMPLATE, estimate
 
@@ -11,47 +13,74 @@ from planner.estimate import OFFLOAD_TEMPLATE, estimate
 ZEROPP_TEMPLATE = "ds_configs/zero3pp.json"
 
 
+def tp_sizes(cfg: Config, world_size: int, ranks_per_node: int) -> list:
+    """The tensor-parallel sizes a search tries: cfg.tp_size if it is set, else every power of two that
+    engine/tensor_parallel.py accepts for this model and cluster (1 always)."""
+    if cfg.tp_size > 1:
+        return [cfg.tp_size]
+    model = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size)
+    found = [1]
+    for tp in (2**i for i in range(1, 7)):
+        try:
+            check_tp(model, tp, world_size, ranks_per_node)
+        except ConfigError:
+            continue
+        found.append(tp)
+    return found
+
+
 def search(cfg: Config, ds_config_for, precision: str, world_size: int, ranks_per_node: int, device: Device,
            global_batch: int, mfu: float = DEFAULT_MFU, overlap: float = 0.0, policies=None,
-           mbu: float = DEFAULT_MBU, rates=None) -> list:
-    """Every (ZeRO stage, micro-batch, accumulation, ac policy) whose global batch is `global_batch` and whose
-    peak fits, fastest first. `ds_config_for(cfg)`: the DeepSpeed config of a candidate. `rates`: a calibration
-    of cfg's micro-batch (estimate()), which then is the only micro-batch searched."""
+           mbu: float = DEFAULT_MBU, rates=None, tp=None) -> list:
+    """Every (tensor-parallel size, ZeRO stage, micro-batch, accumulation, ac policy) whose global batch is
+    `global_batch` and whose peak fits, fastest first. `ds_config_for(cfg)`: the DeepSpeed config of a
+    candidate. `tp`: the tensor-parallel sizes to try (default tp_sizes()), each checked against the model and
+    cluster. `rates`: a calibration of cfg's micro-batch (estimate()), which then is the only micro-batch and the
+    only tensor-parallel size (cfg's) searched."""
     if global_batch % world_size:
         raise ConfigError(f"global batch {global_batch} is not a multiple of the world size {world_size}")
-    per_rank = global_batch // world_size
-    micro_batches = [m for m in (2**i for i in range(0, 13)) if per_rank % m == 0] or [1]
-    if rates:
-        if per_rank % cfg.micro_batch_size:
-            raise ConfigError(f"the calibrated micro-batch {cfg.micro_batch_size} does not divide the "
-                              f"{per_rank} images per rank of global batch {global_batch}")
-        micro_batches = [cfg.micro_batch_size]
     policies = policies or ("none", "selective", "full")
-    base = profile_model(replace(cfg, micro_batch_size=PROFILE_BATCH), target(device), DTYPES[precision])
     found = []
-    # ZeRO-3 also with ZeRO++ (ds_configs/zero3pp.json: hpZ over a node, quantized weights and gradients) when
-    # the job spans nodes: within one node hpZ's secondary partition would be the primary one
-    # and ZeRO-3 with the optimizer and the weights offloaded to host memory (ds_configs/zero3_offload.json)
-    variants = [(1, ""), (2, ""), (3, ""), (3, OFFLOAD_TEMPLATE)] + (
-        [(3, ZEROPP_TEMPLATE)] if world_size > ranks_per_node else [])
-    for stage, template in variants:
-        for micro in micro_batches:
-            scaled = (base[0].scaled(micro / PROFILE_BATCH), *base[1:])
-            for ac in policies:
-                candidate = replace(cfg, zero_stage=stage, micro_batch_size=micro,
-                                    grad_accum_steps=per_rank // micro, ac=ac, ds_config=template)
-                est = estimate(candidate, ds_config_for(candidate), precision, world_size, ranks_per_node, device,
-                               mfu, overlap, scaled, mbu, rates)
-                if est["fits"]:
-                    found.append(est)
-    # equal times (compute-bound either way): fewer accumulation steps, then the lower peak
-    return sorted(found, key=lambda e: (round(e["step_s"], 6), e["grad_accum_steps"], e["peak_bytes"]))
+    if tp:
+        model = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size)
+        for size in tp:
+            check_tp(model, size, world_size, ranks_per_node)
+    for size in [cfg.tp_size] if rates else tp or tp_sizes(cfg, world_size, ranks_per_node):
+        per_rank = global_batch // (world_size // size)  # images per data-parallel rank
+        micro_batches = [m for m in (2**i for i in range(0, 13)) if per_rank % m == 0] or [1]
+        if rates:
+            if per_rank % cfg.micro_batch_size:
+                raise ConfigError(f"the calibrated micro-batch {cfg.micro_batch_size} does not divide the "
+                                  f"{per_rank} images per rank of global batch {global_batch}")
+            micro_batches = [cfg.micro_batch_size]
+        base = profile_model(replace(cfg, micro_batch_size=PROFILE_BATCH, tp_size=size), target(device),
+                             DTYPES[precision])
+        # ZeRO-3 also with ZeRO++ (ds_configs/zero3pp.json: hpZ over a node, quantized weights and gradients)
+        # when the job spans nodes: within one node hpZ's secondary partition would be the primary one; and
+        # ZeRO-3 with the optimizer and the weights offloaded to host memory (ds_configs/zero3_offload.json).
+        # Under tensor parallelism ZeRO 1 to 3 only, as tested
+        variants = [(1, ""), (2, ""), (3, "")] + ([(3, OFFLOAD_TEMPLATE)] + (
+            [(3, ZEROPP_TEMPLATE)] if world_size > ranks_per_node else []) if size == 1 else [])
+        for stage, template in variants:
+            for micro in micro_batches:
+                scaled = (base[0].scaled(micro / PROFILE_BATCH), *base[1:])
+                for ac in policies:
+                    candidate = replace(cfg, zero_stage=stage, micro_batch_size=micro, tp_size=size,
+                                        grad_accum_steps=per_rank // micro, ac=ac, ds_config=template)
+                    est = estimate(candidate, ds_config_for(candidate), precision, world_size, ranks_per_node,
+                                   device, mfu, overlap, scaled, mbu, rates)
+                    if est["fits"]:
+                        found.append(est)
+    # equal times (compute-bound either way): fewer accumulation steps, then the lower peak, then no tensor
+    # parallelism
+    return sorted(found, key=lambda e: (round(e["step_s"], 6), e["grad_accum_steps"], e["peak_bytes"], e["tp_size"]))
 
 
 def smallest_cluster(cfg: Config, ds_config_for, precision: str, ranks_per_node: int, device: Device,
                      limit: int = 2**20):
     """(the fewest ranks, a power of two, on which ZeRO-3 with full recompute at micro-batch 1 fits, with the
     optimizer and weights offloaded if that is what fits first; whether it is) or (None, False)."""
+    cfg = replace(cfg, tp_size=1)
     base = profile_model(replace(cfg, micro_batch_size=1), target(device), DTYPES[precision])
     world = 1
     while world <= limit:

@@ -1,12 +1,14 @@
 """Run by tests/test_checkpointing.py on 2 ranks: every AC policy against `none`.
 
-    deepspeed --num_gpus 2 --module tests.ac_equivalence ZERO_STAGE OUT.json
+    deepspeed --num_gpus 2 --module tests.ac_equivalence ZERO_STAGE OUT.json [TP_SIZE]
 
 (the tests fork its ranks from the zygote instead: conftest.fork_launch with module="tests.ac_equivalence").
 
 For vit-debug and swin-debug, each policy trains 4 steps from the same seed on the same per-rank batches
 under the given ZeRO stage, through train.py's own `build_engine`; rank 0 writes the losses and a digest of
-the final weights per policy, and what the compat functions found (tests/test_compat.py reads those).
+the final weights per policy, and what the compat functions found (tests/test_compat.py reads those). With
+TP_SIZE > 1, vit-debug alone (swin-debug's first stage has one head) under DeepSpeed's AutoTP, the ranks of a
+tensor group reading the same batches, rank 0's digest that of its shard, and no compat findings.
 """
 import hashlib
 import json
@@ -17,37 +19,40 @@ import torch
 import torch.nn.functional as F
 
 from ac.budget import activation_peak
-from ac.profile import profile_blocks
+from ac.profile import profile_blocks, profile_model
 from config import Config
 from engine import compat
 from engine.distributed import exit_distributed
 from engine.memory import zero_memory_bytes
 from engine.optim import param_groups
 from engine.parallelize import build_engine, build_training_model, engine_config
+from engine.tensor_parallel import layout, rank_params
 from models import build_model
 
 def main(argv):
-    stage, out = [int(a) if a.isdigit() else a for a in argv if not a.startswith("--local_rank")]
+    stage, out, *rest = [int(a) if a.isdigit() else a for a in argv if not a.startswith("--local_rank")]
+    tp = rest[0] if rest else 1
     deepspeed.init_distributed()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    data_rank = layout(rank, tp)[0]
     torch.distributed.barrier()
     results = {"compat": {"shm_released": compat.release_deepspeed_shm(rank)}}
-    for name in ("vit-debug", "swin-debug"):
+    for name in ("vit-debug", "swin-debug") if tp == 1 else ("vit-debug",):
         torch.manual_seed(0)
         probe, _ = build_model(name, 10, 16)
-        prof = profile_blocks(probe, torch.randn(8, 3, 16, 16))
         # stochastic depth on: every policy must replay its random draws exactly
-        cfg = Config(zero_stage=stage, micro_batch_size=8, lr=1e-3, warmup_steps=1, max_steps=4, weight_decay=0.05,
-                     drop_path=0.1)
+        cfg = Config(model=name, zero_stage=stage, micro_batch_size=8, lr=1e-3, warmup_steps=1, max_steps=4,
+                     weight_decay=0.05, drop_path=0.1, tp_size=tp)
+        # what the blocks of one tensor rank save (the planner's profile of its share under TP)
+        prof = profile_blocks(probe, torch.randn(8, 3, 16, 16)) if tp == 1 else profile_model(cfg, "cpu")[0]
         precision, ds = engine_config(cfg, probe.config.hidden_size, world)
-        fixed = zero_memory_bytes(sum(p.numel() for p in probe.parameters()), stage, world, precision, ds)
+        fixed = zero_memory_bytes(rank_params(probe, tp), stage, world // tp, precision, ds)
         lowest, highest = (activation_peak(prof, [how] * len(prof)) for how in ("full", "none"))
         mid = max(fixed["backward"] + prof.bytes_outside + (lowest + highest) / 2, fixed["optimizer_step"]) / 2**30
-        cfg.model = name
         for ac in ("none", "full", "every_n:2", "selective", "hierarchical", f"auto:{mid:.9f}"):
             torch.manual_seed(0)
             model, _ = build_training_model(cfg, ds)  # under ZeRO-3, partitioned as it is built
-            if stage == 3 and ac == "none":  # the seed alone sets the weights: partitioned equals whole, bitwise
+            if stage == 3 and ac == "none" and tp == 1:  # the seed alone sets the weights: partitioned equals whole, bitwise
                 params = list(model.parameters())
                 whole_model = build_model(name, 10, 16, seed=cfg.seed)[0]
                 with deepspeed.zero.GatheredParameters(params):
@@ -62,14 +67,14 @@ def main(argv):
             # the update DeepSpeed steps: torch's AdamW, foreach on CPU (ds_config's "fused" reaches torch)
             results["compat"]["optimizer"] = [type(engine.basic_optimizer).__name__,
                                               engine.basic_optimizer.defaults.get("fused")]
-            if stage == 3:
+            if stage == 3 and tp == 1:
                 results["compat"]["zero3_linear_replaced"] = torch.nn.functional.linear is compat._zero3_linear
             torch.manual_seed(1)  # once: drop path draws the same numbers whatever the policy
             losses = []
             # ZeRO-1/2 (vit-debug, `none`): the last step's collectives, through DeepSpeed's own comms logger
-            logged = stage in (1, 2) and name == "vit-debug" and ac == "none"
+            logged = stage in (1, 2) and name == "vit-debug" and ac == "none" and tp == 1
             for step in range(4):
-                g = torch.Generator().manual_seed(100 * step + rank)
+                g = torch.Generator().manual_seed(100 * step + data_rank)
                 x, y = torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
                 if logged and step == 3:
                     deepspeed.comm.configure(enabled=True, prof_all=True)
@@ -95,7 +100,7 @@ def main(argv):
                                                      "flops": counter.get_total_flops(),
                                                      "recompute_flops_planned": plan["recompute_matmul_flops"]}
             engine.destroy()
-    if stage == 3:  # a local Hugging Face directory loads into ZeRO-3 partitions and computes what it does whole
+    if stage == 3 and tp == 1:  # a local Hugging Face directory loads into ZeRO-3 partitions and computes what it does whole
         hf_dir = out + ".hf"
         if rank == 0:
             build_model("vit-debug", 10, 16, seed=3)[0].save_pretrained(hf_dir)

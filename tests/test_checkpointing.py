@@ -69,6 +69,27 @@ def test_every_policy_matches_none_bitwise_under_zero(stage, tmp_path):
         assert compat_found["local_dir_max_rel_diff"] < 1e-6
 
 
+@pytest.mark.parametrize("stage", [1, pytest.param(3, marks=pytest.mark.slow)])
+def test_every_policy_matches_none_bitwise_under_tensor_parallelism(stage, tmp_path):
+    """The same 4 steps on 2 ranks as one tensor group (tp_size 2, vit-debug): every policy's losses and the
+    final weights of rank 0's shard equal `none`'s exactly, recomputing a block replays its all-reduces; the
+    FLOPs a rank's backward repeats are the ones the plan counted from its share of the model."""
+    out = tmp_path / "result.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1")
+    proc = fork_launch([stage, out, 2], 2, env, timeout=300, module="tests.ac_equivalence")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    results.pop("compat")
+    assert len(results) == 6
+    none = results["vit-debug|none"]
+    for key, r in results.items():
+        assert r["losses"] == none["losses"], key
+        assert r["weights_numel"] == none["weights_numel"] > 0 and r["weights_sha256"] == none["weights_sha256"], key
+        assert r["flops"] - none["flops"] == r["recompute_flops_planned"], key
+    assert set(results["vit-debug|selective"]["policies"]) == {"selective"}
+    assert results["vit-debug|auto"]["policies"] != ["none", "none"]
+
+
 @pytest.fixture(scope="module")
 def vit_small():
     torch.manual_seed(0)

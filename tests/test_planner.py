@@ -75,7 +75,7 @@ def test_plan_vit_22b_on_1024_gpus(tmp_path):
     out = tmp_path / "plan"
     proc = plan("--model", "vit-22b", "--image_size", 224, "--num_labels", 1000, "--precision", "bf16",
                 "--world_size", 1024, "--ranks_per_node", 8, "--device", "h100-80gb", "--global_batch", 65536,
-                "--json", "--out", out)
+                "--tp_sizes", 1, "--json", "--out", out)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     best = result["best"]
@@ -87,7 +87,8 @@ def test_plan_vit_22b_on_1024_gpus(tmp_path):
 
     cfg = parse(["--config", str(out / "config.yaml")])
     assert (cfg.zero_stage, cfg.micro_batch_size, cfg.ac) == (best["zero_stage"], best["micro_batch_size"], best["ac"])
-    # across 128 nodes ZeRO++ (hpZ within the node, quantized communication) wins over plain ZeRO
+    # across 128 nodes, without tensor parallelism, ZeRO++ (hpZ within the node, quantized communication) wins
+    # over plain ZeRO
     assert best["zeropp"] and cfg.ds_config == "ds_configs/zero3pp.json"
     ds = json.loads((out / "ds_config.json").read_text())
     assert ds["zero_optimization"]["stage"] == best["zero_stage"] and ds["bf16"]["enabled"]
@@ -115,6 +116,13 @@ def test_plan_vit_22b_on_1024_gpus(tmp_path):
     (["--ac", "auto:0.001", "--model", "vit-base", "--image_size", 224], "error: ac 'auto:0.001'"),
     (["--calibrate", "calibration.json"], "error: calibrating bf16 needs the GPU it would run on"),
     (["--calibration", "no-such-calibration.json"], "error: cannot read the calibration no-such-calibration.json"),
+    (["--calibrate", "calibration.json", "--precision", "fp32", "--tp_size", "2"],
+     "error: a calibration measures the model unsplit"),
+    (["--model", "vit-22b", "--image_size", 224, "--world_size", 64, "--global_batch", 64, "--tp_sizes", "3"],
+     "error: tp_size 3 must divide the ranks per node (8)"),
+    (["--global_batch", 64, "--tp_sizes", "two"], "error: --tp_sizes takes positive integers"),
+    (["--model", "vit-22b", "--image_size", 224, "--tp_size", "5"],
+     "error: tp_size 5 does not divide the 48 attention heads"),
 ])
 def test_plan_bad_input_is_one_line(args, message):
     """plan.py's main, in this process (the same code path as the command line, without a new interpreter)."""
@@ -189,17 +197,21 @@ def test_validate_predicts_the_host_bound_suite_with_the_host_probe():
     assert sum(abs(r["step_error"]) <= 0.25 for r in rows) >= len(rows) / 2
 
 
-def test_the_planner_predicts_a_run_no_suite_measures(tmp_path):
-    """A configuration no committed suite runs (ViT-S/8 at 64 px, micro-batch 8, ZeRO-2, `selective`), measured
-    now by the benchmark worker on 2 ranks: the planner's peak, from the configuration alone on the meta device,
-    is within docs/planner.md's ±10% of the measured one."""
+@pytest.mark.parametrize("zero,ac,tp", [(2, "selective", 1), (1, "none", 2),
+                                       pytest.param(3, "selective", 2, marks=pytest.mark.slow)],
+                         ids=["zero2 selective", "zero1 none tp2", "zero3 selective tp2"])
+def test_the_planner_predicts_a_run_no_suite_measures(tmp_path, zero, ac, tp):
+    """Configurations no committed suite runs (ViT-S/8 at 64 px, micro-batch 8; ZeRO-2 + `selective`, and under
+    DeepSpeed's AutoTP over both ranks), measured now by the benchmark worker on 2 ranks: the planner's peak, from
+    the configuration alone on the meta device (one tensor rank's share of the model under TP), is within
+    docs/planner.md's ±10% of the measured one."""
     from benchmarks.bench_worker import Spec, run_config
     from engine.ds_config import build_ds_config
     from models.registry import model_config
     from planner.devices import Device
     from planner.estimate import estimate
 
-    spec = Spec(model="vit-small", image_size=64, patch_size=8, micro_batch_size=8, zero=2, ac="selective",
+    spec = Spec(model="vit-small", image_size=64, patch_size=8, micro_batch_size=8, zero=zero, ac=ac, tp_size=tp,
                 profiled_steps=2, timed_steps=1, count_flops=False)
     out = tmp_path / "result.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -389,3 +401,74 @@ def test_calibrate_under_torchrun_and_plan_with_it(tmp_path):
     proc = plan(*keys[:4], "--micro_batch_size", "8", *keys[6:], *cluster, "--calibration", out)
     assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1 and \
         proc.stderr.startswith(f"error: {out} calibrated another configuration: micro_batch_size {PROFILE_BATCH} (not 8)")
+
+
+def test_one_tensor_rank_profiles_its_share_of_the_model():
+    """The planner's model of a tensor rank (engine/tensor_parallel.shard_like_autotp, on the meta device): at
+    tp_size 2 a rank holds half of each block's six matrices and of the column-split biases and the whole rest
+    (rank_params' count), its blocks do half the matmul and attention FLOPs, save less, and their input, what the
+    tensor group all-reduces, is whole; Swin's stages split the same way."""
+    from ac.profile import profile_model
+    from engine.tensor_parallel import rank_params
+
+    cfg = replace(Config(), model="vit-small", image_size=64, patch_size=8, micro_batch_size=2)
+    one, n1, _ = profile_model(cfg, "cpu")
+    two, n2, _ = profile_model(replace(cfg, tp_size=2), "cpu")
+    d, blocks = 384, 12
+    assert n1 - n2 == blocks * (12 * d * d + 7 * d) // 2  # q, k, v, o: 4d², fc1, fc2: 8d²; biases of q, k, v, fc1
+    assert n2 == rank_params(meta_model(cfg), 2)
+    for a, b in zip(one, two):
+        assert b.flops * 2 == a.flops and b.bytes_full == a.bytes_full and b.bytes_none < a.bytes_none
+    swin = replace(Config(), model="swin-base", image_size=224, num_labels=1000, micro_batch_size=2)
+    one, n1, _ = profile_model(swin, "cpu")
+    two, n2, _ = profile_model(replace(swin, tp_size=2), "cpu")
+    assert n2 == rank_params(meta_model(swin), 2) and n2 < n1
+    assert [b.flops * 2 for b in two] == [a.flops for a in one]
+
+
+def test_tensor_parallel_all_reduces_are_charged_per_block():
+    """Each block's input is all-reduced twice in its forward and twice in its backward, twice more when it is
+    recomputed whole; a ring all-reduce over a group of t sends 2(t-1)/t of it; nothing without TP."""
+    from ac.profile import profile_model
+    from planner.devices import Device
+    from planner.estimate import estimate, tp_allreduce_bytes
+    from engine.ds_config import build_ds_config
+
+    cfg = replace(Config(), model="vit-small", image_size=64, patch_size=8, micro_batch_size=4, grad_accum_steps=2,
+                  tp_size=2)
+    prof = profile_model(cfg, "cpu")[0]
+    block_input = prof[0].bytes_full
+    assert block_input == 4 * 65 * 384 * 4  # fp32 activations of 65 tokens of width 384
+    assert tp_allreduce_bytes(prof, ["none"] * 12, 2) == 12 * 4 * block_input * 2 * 1 / 2
+    assert tp_allreduce_bytes(prof, ["full"] * 6 + ["none"] * 6, 2) == (6 * 6 + 6 * 4) * block_input
+    assert tp_allreduce_bytes(prof, ["none"] * 12, 1) == 0
+    device = Device("cpu", 1e11, 1e6, 10.0, 10.0, 0.0, mem_gbs=10.0)
+    e = estimate(cfg, build_ds_config(cfg, 384, 8, "fp32"), "fp32", 8, 8, device)
+    assert e["tp_comm_bytes_per_step_per_rank"] == 2 * 12 * 4 * block_input  # two micro-batches
+    assert e["tp_comm_s"] == pytest.approx(e["tp_comm_bytes_per_step_per_rank"] / 10e9)
+    assert e["global_batch"] == 4 * 2 * 4  # four data-parallel ranks of two
+
+
+def test_plan_vit_22b_at_a_small_batch_splits_its_layers(tmp_path):
+    """ViT-22B at a global batch of 4,096 on 1,024 GPUs (4 images per GPU): the search tries tensor-parallel
+    sizes 1 to 8, finds splitting the layers within a node faster than ZeRO (with ZeRO++) alone, says by how much,
+    and writes tp_size into the recipe; --tp_sizes 1 keeps to data parallelism."""
+    args = ["--model", "vit-22b", "--image_size", 224, "--num_labels", 1000, "--precision", "bf16", "--world_size",
+            1024, "--ranks_per_node", 8, "--device", "h100-80gb", "--global_batch", 4096]
+    proc = plan(*args, "--out", tmp_path / "plan")
+    assert proc.returncode == 0, proc.stderr
+    assert "the fastest of each tensor-parallel size:" in proc.stdout
+    lines = {int(line.split()[1].rstrip(":")): line for line in proc.stdout.splitlines() if line.startswith("  tp ")}
+    assert sorted(lines) == [1, 2, 4, 8]
+    best = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert best["tp_size"] > 1 and f"tp {best['tp_size']}: " in lines[best["tp_size"]]
+    speedup = float(lines[best["tp_size"]].rsplit(", ", 1)[1].split("x")[0])
+    assert speedup > 1.0
+    from config import parse
+
+    assert parse(["--config", str(tmp_path / "plan" / "config.yaml")]).tp_size == best["tp_size"]
+    proc = plan(*args, "--tp_sizes", "1", "--json")
+    assert proc.returncode == 0, proc.stderr
+    alone = json.loads(proc.stdout)["best"]
+    assert alone["tp_size"] == 1 and alone["images_per_s"] < best["images_per_s"]
+    assert alone["images_per_s"] * speedup == pytest.approx(best["images_per_s"], rel=0.01)

@@ -1,6 +1,6 @@
 """Tensor parallelism (`tp_size`): which parameters AutoTP splits and how, what cannot be split, and 2-rank runs
-(TP 2, one data-parallel rank) against the same run on one rank: the same losses, the same exported model, an
-exact resume."""
+(TP 2, one data-parallel rank) against the same run on one rank: the same losses, the same exported model (at the
+run's end and by export.py from a checkpoint), an exact resume."""
 import json
 import re
 import subprocess
@@ -121,8 +121,9 @@ CASES = {  # model, ZeRO stage, checkpointing
 @pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
 def test_two_tensor_parallel_ranks_train_as_one_rank(one_rank, debug_args, swin_dir, tmp_path, case):
     """TP 2 on 2 ranks reads the one rank's micro-batches and takes its steps: losses within 1e-5 relative (only
-    the all-reduces' order of additions differs), the same validation result, an export with its logits; every
-    rank's checkpoint files; resumed at step 3, the same losses bitwise."""
+    the all-reduces' order of additions differs), the same validation result, an export with its logits, and
+    export.py's merge of the last checkpoint with the same logits (ZeRO-1/2; ZeRO-3's is refused in one line);
+    every rank's checkpoint files; resumed at step 3, the same losses bitwise."""
     model, stage, ac = case
     model = swin_dir if model == "swin" else model
     args = debug_args + STEPS + ["--model", model, "--drop_path", "0.1", "--zero_stage", stage, "--ac", ac,
@@ -137,6 +138,15 @@ def test_two_tensor_parallel_ranks_train_as_one_rank(one_rank, debug_args, swin_
     images = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(logits(tmp_path / "run" / "hf_model", images), logits(reference / "hf_model", images),
                                rtol=1e-4, atol=1e-5)
+    proc = subprocess.run([sys.executable, "export.py", str(tmp_path / "run" / "checkpoints" / "step0000006"),
+                           str(tmp_path / "exported")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    if stage < 3:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        torch.testing.assert_close(logits(tmp_path / "exported", images),
+                                   logits(tmp_path / "run" / "hf_model", images))
+    else:  # one line, exit 2, nothing written
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert "was written under ZeRO-3 with tp_size 2" in proc.stderr and not (tmp_path / "exported").exists()
     checkpoint = tmp_path / "run" / "checkpoints" / "step0000003"
     assert missing_files(str(checkpoint), 2, stage, 2) == []
     assert json.loads((checkpoint / "train_state.json").read_text())["tp_size"] == 2
@@ -144,20 +154,19 @@ def test_two_tensor_parallel_ranks_train_as_one_rank(one_rank, debug_args, swin_
     assert losses(tmp_path / "resumed") == losses(tmp_path / "run")[3:]
 
 
-def test_export_refuses_to_merge_tensor_parallel_shards(tmp_path):
-    """export.py merges ZeRO's partitions only: a tensor-parallel checkpoint is one line and exit 2, nothing
-    written (the run's own hf_model/ is the whole model, tested above)."""
-    checkpoint = tmp_path / "run" / "checkpoints" / "step0000003"
-    checkpoint.mkdir(parents=True)
-    (checkpoint / "train_state.json").write_text(json.dumps({"step": 3, "world_size": 2, "zero_stage": 2,
-                                                              "tp_size": 2}))
-    (tmp_path / "run" / "hf_config").mkdir()
-    (tmp_path / "run" / "hf_config" / "config.json").write_text("{}")
-    proc = subprocess.run([sys.executable, "export.py", str(checkpoint), str(tmp_path / "hf")], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-    assert "was written with tp_size 2: export.py merges ZeRO's partitions" in proc.stderr
-    assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.partial").exists()
+def test_unshard_joins_split_weights_and_checks_replicas():
+    """Column shards join along rows, row shards along columns, a replicated tensor is its replicas' value; replicas
+    that differ, or shards that are no split of the model's shape, are errors naming the weight."""
+    from engine.tensor_parallel import unshard
+
+    w = torch.randn(6, 4)
+    assert torch.equal(unshard("q.weight", list(w.chunk(2, 0)), (6, 4)), w)
+    assert torch.equal(unshard("o.weight", list(w.chunk(2, 1)), (6, 4)), w)
+    assert torch.equal(unshard("norm.weight", [w, w.clone()], (6, 4)), w)
+    with pytest.raises(ValueError, match="norm.weight is replicated over the tensor group but differs"):
+        unshard("norm.weight", [w, w + 1], (6, 4))
+    with pytest.raises(ValueError, match=r"fc.weight: shards of shape \[3, 2\] are not a 2-way split"):
+        unshard("fc.weight", [w[:3, :2], w[3:, 2:]], (6, 4))
 
 
 @pytest.mark.slow
