@@ -38,7 +38,7 @@ def validate(results_csv: str, mfu: float = 1.0, intra_gbs: float = 10.0, save: 
     running), recorded in the run or, for a run that did not record one (or its host probe), in
     calibration.json beside it, or else measured now on this machine (and, with `save`, written there, dated,
     so that the validation's figures can be reproduced). `reprobe`: probe the host now for every shape, on a
-    CPU of the run's model, in place of the run's own probe (a probe since found faulty); saved, it replaces
+    CPU of the run's model, in place of the run's own probe (one made by code with a fault); saved, it replaces
     the run's in later validations too."""
     folder = os.path.dirname(os.path.abspath(results_csv))
     with open(results_csv) as f:
