@@ -54,6 +54,9 @@ def cluster_args(argv):
     parser.add_argument("--host_stages", default="1,2,3",
                         help="--calibrate: the ZeRO stages the host probe measures, comma-separated (a plan at another "
                              "stage assumes the host's share)")
+    parser.add_argument("--host_rounds", type=int, default=3,
+                        help="--calibrate: how many times the host probe runs its grid over, each figure the median "
+                             "of its rounds (planner/host.py)")
     parser.add_argument("--no_host_probe", action="store_true",
                         help="--calibrate without the host probe (the engine's seconds per block and per step)")
     parser.add_argument("--calibration", metavar="JSON",
@@ -231,7 +234,8 @@ def write_plan(best: dict, cfg, ds_config: dict, out: str, a):
                   f"--ds_config {out}/ds_config.json\n")
 
 
-def run_calibration(cfg, precision: str, out: str, host: bool = True, host_stages=(1, 2, 3)) -> int:
+def run_calibration(cfg, precision: str, out: str, host: bool = True, host_stages=(1, 2, 3),
+                    host_rounds: int = 3) -> int:
     """--calibrate: every rank of the launch (a one-rank group without a launcher) measures at once; rank 0
     writes the slowest rank's figures. Needs the device it calibrates: a GPU for bf16 plans, the CPU for fp32
     ones."""
@@ -261,7 +265,8 @@ def run_calibration(cfg, precision: str, out: str, host: bool = True, host_stage
         return progress
     mine = calibrate(cfg, precision, device, progress_of(f"replaying {cfg.model}'s operators", "op"), host=host,
                      host_progress=progress_of(f"probing the host (2 depths x ZeRO {'/'.join(map(str, host_stages))} x "
-                                               f"3 policies)", "run"), host_stages=host_stages)
+                                               f"3 policies x {host_rounds} rounds)", "run"), host_stages=host_stages,
+                     host_rounds=host_rounds)
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, mine)
     if dist.get_rank() == 0:
@@ -330,8 +335,10 @@ def main(argv=None):
             stages = [s.strip() for s in a.host_stages.split(",")]
             if set(stages) - {"1", "2", "3"}:
                 raise ConfigError(f"--host_stages takes ZeRO stages 1, 2 and 3, comma-separated; got '{a.host_stages}'")
+            if a.host_rounds < 1:
+                raise ConfigError(f"--host_rounds must be at least 1; got {a.host_rounds}")
             return run_calibration(cfg, precision, a.calibrate, host=not a.no_host_probe,
-                                   host_stages=tuple(sorted({int(s) for s in stages})))
+                                   host_stages=tuple(sorted({int(s) for s in stages})), host_rounds=a.host_rounds)
         device = device_of(a)
         if a.world_size < 1 or a.ranks_per_node < 1:
             raise ConfigError("world_size and ranks_per_node must be at least 1")

@@ -18,12 +18,13 @@ CALIBRATION_RATES = ("flops_per_s", "bytes_per_s", "stream_gbs", "comm_gbs")  # 
 
 
 def calibrate(cfg: Config, precision: str, device: torch.device, progress=None, host: bool = True,
-              host_progress=None, host_stages=(1, 2, 3)) -> dict:
+              host_progress=None, host_stages=(1, 2, 3), host_rounds: int = 3) -> dict:
     """What this rank measures for a plan of `cfg` (planner/replay.py): the FLOP rate and bandwidth the model's own
     operators reach at its micro-batch, forward and backward; a streaming add's bandwidth (the optimizer's); in a
     process group, the all-gather bandwidth between its ranks; and, with `host` (in a process group), the
-    engine's host seconds per block and per step under the ZeRO stages `host_stages` (planner/host.py). Under
-    torchrun every rank measures at once, sharing the node as a run's ranks do."""
+    engine's host seconds per block and per step under the ZeRO stages `host_stages`, each the median of
+    `host_rounds` rounds (planner/host.py). Under torchrun every rank measures at once, sharing the node as a
+    run's ranks do."""
     import torch.distributed as dist
 
     from planner.host import probe
@@ -38,7 +39,8 @@ def calibrate(cfg: Config, precision: str, device: torch.device, progress=None, 
     probed, failed = None, None
     if host and dist.is_initialized():
         try:
-            probed = probe(cfg, precision, device, dist.get_world_size(), stages=host_stages, progress=host_progress)
+            probed = probe(cfg, precision, device, dist.get_world_size(), stages=host_stages, progress=host_progress,
+                           rounds=host_rounds)
         except Exception as e:  # the rates stand without it: a plan then assumes the host (planner/estimate.py)
             failed = f"{type(e).__name__}: {e}"
             print(f"warning: the host probe failed, the calibration has none: {failed}", file=sys.stderr)

@@ -105,11 +105,13 @@ def _engine_seconds(config, run: Config, world_size: int, images, labels, device
 
 
 def probe(cfg: Config, precision: str, device: torch.device, world_size: int, warmup: int = 5, steps: int = 10,
-          stages=STAGES, progress=None) -> dict:
+          stages=STAGES, progress=None, rounds: int = 3) -> dict:
     """The host figures of `cfg`'s model on this rank (every rank of the process group calls it at once).
     {"blocks": [small, large], "stages": {stage: {"micro": {policy: [seconds small, large]}, "plain": {policy:
     [the bare model's seconds just before]}, "step": [seconds small, large]}}}: the medians of `steps` timed
-    steps after `warmup`."""
+    steps after `warmup`. The whole grid (depth x stage x policy) runs `rounds` times over, one round after
+    the other, and each figure is the median of its rounds: a machine whose speed drifts over minutes moves
+    every configuration alike rather than the one it happened to be running."""
     from models.registry import model_config
 
     dtype = DTYPES[precision]
@@ -117,25 +119,30 @@ def probe(cfg: Config, precision: str, device: torch.device, world_size: int, wa
     images = torch.randn(1, 3, cfg.image_size, cfg.image_size, device=device, dtype=dtype)
     labels = torch.zeros(1, dtype=torch.long, device=device)
     timing = (images, labels, device, dtype, warmup, steps)
-    total, done = len(configs) * len(stages) * len(MODES), 0
-    result = {"blocks": [b for _, b in configs], "warmup": warmup, "steps": steps, "width": PROBE_WIDTH,
-              "micro_batch_size": 1, "stages": {str(s): {"micro": {m: [] for m in MODES},
-                                                         "plain": {m: [] for m in MODES}, "step": []} for s in stages}}
-    for config, _ in configs:
-        for stage in stages:
-            step_seconds = []
-            for mode in MODES:
-                run = replace(cfg, zero_stage=stage, ac=mode, micro_batch_size=1, grad_accum_steps=1, compile=False,
-                              ds_config="", precision=precision)
-                micro_s, step_s, bare_s = _engine_seconds(config, run, world_size, *timing)
-                result["stages"][str(stage)]["micro"][mode].append(micro_s)
-                result["stages"][str(stage)]["plain"][mode].append(bare_s)
-                step_seconds.append(step_s)
-                done += 1
-                if progress:
-                    progress(done, total)
-            result["stages"][str(stage)]["step"].append(statistics.median(step_seconds))
-    return result
+    total, done = rounds * len(configs) * len(stages) * len(MODES), 0
+    # samples[(depth, stage, mode)]: (micro-batch, optimizer step, bare micro-batch) seconds of each round
+    samples = {}
+    for _ in range(rounds):
+        for depth, (config, _) in enumerate(configs):
+            for stage in stages:
+                for mode in MODES:
+                    run = replace(cfg, zero_stage=stage, ac=mode, micro_batch_size=1, grad_accum_steps=1,
+                                  compile=False, ds_config="", precision=precision)
+                    samples.setdefault((depth, stage, mode), []).append(
+                        _engine_seconds(config, run, world_size, *timing))
+                    done += 1
+                    if progress:
+                        progress(done, total)
+
+    def median(depth, stage, mode, i):
+        return statistics.median(s[i] for s in samples[depth, stage, mode])
+    depths = range(len(configs))
+    return {"blocks": [b for _, b in configs], "warmup": warmup, "steps": steps, "rounds": rounds,
+            "width": PROBE_WIDTH, "micro_batch_size": 1,
+            "stages": {str(s): {"micro": {m: [median(d, s, m, 0) for d in depths] for m in MODES},
+                                "plain": {m: [median(d, s, m, 2) for d in depths] for m in MODES},
+                                "step": [statistics.median(median(d, s, m, 1) for m in MODES) for d in depths]}
+                       for s in stages}}
 
 
 def slowest_host(per_rank: list) -> dict:
@@ -162,10 +169,13 @@ def host_seconds(host: dict, stage: int, plan: list, serial: bool) -> dict:
     forward and backward."""
     figures, blocks = host["stages"][str(stage)], host["blocks"]
 
+    # the bare model is the same whatever the policy its engine is then given: the median of its timings
+    bare = [statistics.median(t) for t in zip(*figures["plain"].values())]
+
     def seconds(mode: str) -> list:  # a micro-batch at each depth, all its blocks under `mode`
         if not serial:
             return figures["micro"][mode]
-        return [max(a - b, 0.0) for a, b in zip(figures["micro"][mode], figures["plain"][mode])]
+        return [max(a - b, 0.0) for a, b in zip(figures["micro"][mode], bare)]
     base, _ = _line(blocks, seconds("none"))
     per_block = {m: _line(blocks, seconds(m))[1] for m in MODES}
     step_base, step_slope = _line(blocks, figures["step"])

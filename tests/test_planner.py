@@ -115,6 +115,8 @@ def test_plan_vit_22b_on_1024_gpus(tmp_path):
     (["--device", "cpu"], "error: device cpu: give --device_tflops and --device_memory_gb"),
     (["--ac", "auto:0.001", "--model", "vit-base", "--image_size", 224], "error: ac 'auto:0.001'"),
     (["--calibrate", "calibration.json"], "error: calibrating bf16 needs the GPU it would run on"),
+    (["--calibrate", "calibration.json", "--precision", "fp32", "--host_rounds", "0"],
+     "error: --host_rounds must be at least 1"),
     (["--calibration", "no-such-calibration.json"], "error: cannot read the calibration no-such-calibration.json"),
     (["--calibrate", "calibration.json", "--precision", "fp32", "--tp_size", "2"],
      "error: a calibration measures the model unsplit"),
@@ -181,8 +183,8 @@ def test_validate_predicts_the_cpu_suite_within_its_targets():
 
 def test_validate_predicts_the_host_bound_suite_with_the_host_probe():
     """The `host` suite's eager DeepSpeed rows (24 blocks of width 64, 2 images per rank: a step of host work),
-    predicted with the host probe the suite measured in its first repeat: each step within 40% of the measured
-    one and half of them within the ±25% target (docs/planner.md gives the figures), where the operators alone
+    predicted with the host probe of its calibration.json (`validate --reprobe`, three rounds, on the run's
+    CPU model): each step within the ±25% target (docs/planner.md gives the figures), where the operators alone
     (the assumed step) fall more than half short; ZeRO-3's micro-batches are host-bound."""
     proc = subprocess.run([sys.executable, "-m", "benchmarks.validate", "benchmarks/results/host/results.csv",
                            "--json"], cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -190,11 +192,10 @@ def test_validate_predicts_the_host_bound_suite_with_the_host_probe():
     rows = json.loads(proc.stdout)
     assert {r["config"] for r in rows} == {"ZeRO-2 + none", "ZeRO-3 + none", "ZeRO-3 + selective", "ZeRO-3 + full"}
     for r in rows:
-        assert r["calibration_source"] == "median of 5 measured in the run"
-        assert abs(r["step_error"]) <= 0.40 and r["host_micro_s"] > 0, (r["config"], r["step_error"])
+        assert r["calibration_source"].endswith("in place of the run's probe"), r["calibration_source"]
+        assert abs(r["step_error"]) <= 0.25 and r["host_micro_s"] > 0, (r["config"], r["step_error"])
         assert r["step_error_assumed"] < -0.5
         assert r["host_bound"] or r["zero_stage"] != 3, r["config"]
-    assert sum(abs(r["step_error"]) <= 0.25 for r in rows) >= len(rows) / 2
 
 
 @pytest.mark.parametrize("zero,ac,tp", [(2, "selective", 1), (1, "none", 2),
@@ -245,6 +246,11 @@ def test_host_seconds_follow_the_probes_lines():
     cpu = host_seconds(PROBED, 3, ["none"] * 12 + ["offload"], serial=True)  # offload: a block kept whole
     assert cpu["micro_s"] == pytest.approx(0.01 + 13 * (0.01 - 0.002))
     assert cpu["step_s"] == pytest.approx(0.002 + 13 * 0.001)  # the step is the same on either
+    # the bare model's timings before each policy's engine differ by noise alone: their median is taken off
+    figures = PROBED["stages"]["3"]
+    noisy = {**PROBED, "stages": {"3": {**figures, "plain": {"none": [0.001, 0.030], "selective": [0.004, 0.012],
+                                                             "full": [0.010, 0.011]}}}}
+    assert host_seconds(noisy, 3, ["none"] * 13, serial=True)["micro_s"] == pytest.approx(cpu["micro_s"])
 
 
 def test_the_host_is_charged_after_the_operators_on_cpu_and_beside_them_on_gpus():
@@ -360,6 +366,7 @@ def test_calibrate_under_torchrun_and_plan_with_it(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore")
     proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2",
                            "--master_port", str(free_port()), "plan.py", "--calibrate", str(out), "--host_stages", "2",
+                           "--host_rounds", "1",
                            *keys],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -375,7 +382,7 @@ def test_calibrate_under_torchrun_and_plan_with_it(tmp_path):
     e = json.loads(proc.stdout)
     # the host probe: the slowest rank's seconds, each rising with the depth; charged after the operators
     host = cal["host"]
-    assert host["blocks"] == [4, 12] and set(host["stages"]) == {"2"} and e["zero_stage"] == 2
+    assert host["blocks"] == [4, 12] and set(host["stages"]) == {"2"} and host["rounds"] == 1 and e["zero_stage"] == 2
     for stage, figures in host["stages"].items():
         for policy in ("none", "selective", "full"):
             seconds, bare = figures["micro"][policy], figures["plain"][policy]
