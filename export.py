@@ -6,9 +6,9 @@
 Any ZeRO stage, any world size, on one CPU process, without DeepSpeed's process group. The weights are the
 checkpoint's fp32 master copy, merged from every rank's partitions by DeepSpeed's `zero_to_fp32` in lazy mode
 and written shard by shard (safetensors, 5 GB shards), so host memory never holds more than one shard of the
-model. A tensor-parallel checkpoint (`tp_size` > 1) of ZeRO-1 or 2 is merged per tensor rank the same way, then
-each split weight is concatenated along its split dimension, one weight at a time (ZeRO-3's under tensor
-parallelism is refused). config.json and the image processor come from the run's `hf_config/`, which train.py
+model. A tensor-parallel checkpoint (`tp_size` > 1) is merged per tensor rank (ZeRO-1/2's the same way, ZeRO-3's
+from its partitions as DeepSpeed lays them out under AutoTP), then each split weight is concatenated along its
+split dimension, one weight at a time. config.json and the image processor come from the run's `hf_config/`, which train.py
 writes at start. The directory is written under `OUT.partial` and renamed when complete.
 """
 import argparse
@@ -39,10 +39,6 @@ def export(checkpoint: str, out: str, dtype: str = "fp32", log=print):
     state_file = os.path.join(checkpoint, STATE_FILE)
     state = json.load(open(state_file)) if os.path.isfile(state_file) else {}
     tp_size = state.get("tp_size", 1)
-    if tp_size > 1 and state.get("zero_stage") == 3:
-        raise ValueError(f"{checkpoint} was written under ZeRO-3 with tp_size {tp_size}, whose partitions "
-                         f"zero_to_fp32 does not merge per tensor rank; export.py merges tensor-parallel checkpoints "
-                         f"of ZeRO-1 and 2, and the run's hf_model/, written at its end, holds the whole model")
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
     from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_state_dict
 
@@ -52,7 +48,7 @@ def export(checkpoint: str, out: str, dtype: str = "fp32", log=print):
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     try:
         if tp_size > 1:
-            merge_tensor_parallel(checkpoint, tp_size, hf_config, partial, torch_dtype)
+            merge_tensor_parallel(checkpoint, tp_size, hf_config, partial, torch_dtype, state.get("zero_stage"))
         else:
             convert_zero_checkpoint_to_state_dict(ckpt_dir, partial, dtype=torch_dtype, max_shard_size=MAX_SHARD,
                                                   safe_serialization=True, tag=tag)
@@ -63,50 +59,116 @@ def export(checkpoint: str, out: str, dtype: str = "fp32", log=print):
     log(f"exported {checkpoint} ({dtype}) to {out}")
 
 
-def merge_tensor_parallel(checkpoint: str, tp_size: int, hf_config: str, out: str, dtype):
-    """Each tensor rank's fp32 master weights, merged over ZeRO's partitions by `zero_to_fp32` (lazily: nothing
-    read yet), then joined weight by weight against the shapes of the model `hf_config` describes, and written
-    one safetensors shard at a time."""
+def merge_tensor_parallel(checkpoint: str, tp_size: int, hf_config: str, out: str, dtype, zero_stage):
+    """Each tensor rank's fp32 master weights, merged over ZeRO's partitions (lazily: nothing read yet), then
+    joined weight by weight against the shapes of the model `hf_config` describes, and written one safetensors
+    shard at a time. ZeRO-1/2's through `zero_to_fp32`; ZeRO-3's by zero3_tensor_ranks."""
     import tempfile
 
     import torch
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForImageClassification
 
-    from engine.tensor_parallel import unshard
+    from engine.tensor_parallel import block_linears, unshard
 
     with torch.device("meta"):
-        full = AutoModelForImageClassification.from_config(AutoConfig.from_pretrained(hf_config)).state_dict()
-    tag = os.path.basename(checkpoint)
+        model = AutoModelForImageClassification.from_config(AutoConfig.from_pretrained(hf_config))
+    full = model.state_dict()
     with tempfile.TemporaryDirectory() as views:
-        shards = []
-        for t in range(tp_size):  # zero_to_fp32 reads tensor rank 0's file names: each rank's files seen as those
-            view = os.path.join(views, str(t), tag)
-            os.makedirs(view)
-            for name in os.listdir(checkpoint):
-                if f"mp_rank_{t:02d}_" in name:
-                    os.symlink(os.path.abspath(os.path.join(checkpoint, name)),
-                               os.path.join(view, name.replace(f"mp_rank_{t:02d}_", "mp_rank_00_")))
-            shards.append(get_fp32_state_dict_from_zero_checkpoint(os.path.dirname(view), tag, lazy_mode=True))
+        if zero_stage == 3:
+            split = {f"{prefix}.{kind}" for prefix, _ in block_linears(model) for kind in ("weight", "bias")}
+            shards = zero3_tensor_ranks(checkpoint, tp_size, split)
+        else:
+            shards = [zero12_tensor_rank(checkpoint, t, views) for t in range(tp_size)]
         missing = set(full) - set(shards[0])  # (a checkpoint may also hold buffers the model does not save)
         if missing:
             raise ValueError(f"{checkpoint} does not hold the weights of the model in {hf_config} (missing: "
                              f"{', '.join(sorted(missing)[:3])})")
         empty = {k: torch.empty(v.shape, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in full.items()}
-        split = split_torch_state_dict_into_shards(empty, filename_pattern="model{suffix}.safetensors",
+        files = split_torch_state_dict_into_shards(empty, filename_pattern="model{suffix}.safetensors",
                                                    max_shard_size=MAX_SHARD)
-        for filename, names in split.filename_to_tensors.items():
+        for filename, names in files.filename_to_tensors.items():
             tensors = {}
             for name in names:
                 whole = unshard(name, [s[name].contiguous() for s in shards], full[name].shape)
                 tensors[name] = whole.to(dtype) if whole.is_floating_point() else whole
             save_file(tensors, os.path.join(out, filename), metadata={"format": "pt"})
             del tensors
-    if split.is_sharded:
+    if files.is_sharded:
         with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": split.metadata, "weight_map": split.tensor_to_filename}, f, indent=2)
+            json.dump({"metadata": files.metadata, "weight_map": files.tensor_to_filename}, f, indent=2)
+
+
+def zero12_tensor_rank(checkpoint: str, t: int, views: str) -> dict:
+    """Tensor rank `t`'s fp32 weights of a ZeRO-1/2 checkpoint, lazily, through `zero_to_fp32`, which reads tensor
+    rank 0's file names: rank t's files are linked under those names in a folder of `views`."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    tag = os.path.basename(checkpoint)
+    view = os.path.join(views, str(t), tag)
+    os.makedirs(view)
+    for name in os.listdir(checkpoint):
+        if f"mp_rank_{t:02d}_" in name:
+            os.symlink(os.path.abspath(os.path.join(checkpoint, name)),
+                       os.path.join(view, name.replace(f"mp_rank_{t:02d}_", "mp_rank_00_")))
+    return get_fp32_state_dict_from_zero_checkpoint(os.path.dirname(view), tag, lazy_mode=True)
+
+
+class _Gathered:
+    """One parameter's fp32 value, read when asked for: its partitions' slices of the ranks' flat streams."""
+
+    def __init__(self, pieces: list, shape):
+        self.pieces, self.shape = pieces, shape
+
+    def contiguous(self):
+        import torch
+
+        return torch.cat([flat.narrow(0, start, n) for flat, start, n in self.pieces])[:self.shape.numel()].view(
+            self.shape).clone()
+
+
+def zero3_tensor_ranks(checkpoint: str, tp_size: int, split: set) -> list:
+    """Every tensor rank's fp32 weights of a ZeRO-3 checkpoint under tensor parallelism, lazily: [{name: value}].
+
+    The model is built under `zero.Init` over every rank, and AutoTP then replaces the split linear layers (`split`,
+    their weights and biases), whose new parameters ZeRO-3 partitions over the data-parallel group alone. So a
+    replicated parameter is in world_size partitions, partition r on global rank r = data rank x tp_size + tensor
+    rank; a split one is in world_size / tp_size partitions of its tensor rank's shard, partition d on data rank
+    d. Each rank's file holds its partitions in the order of the parameter shapes it records, each
+    ceil(numel / partitions) long; a file whose length is not that sum is refused."""
+    import math
+
+    import torch
+
+    def load(d, t, kind):
+        path = os.path.join(checkpoint, f"zero_pp_rank_{d}_mp_rank_{t:02d}_{kind}_states.pt")
+        if not os.path.isfile(path):
+            raise ValueError(f"{checkpoint} lacks {os.path.basename(path)}: not every rank's ZeRO-3 files are there")
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+
+    data_ranks = sum(1 for n in os.listdir(checkpoint) if n.endswith("_mp_rank_00_optim_states.pt"))
+    world = data_ranks * tp_size
+    streams, shapes = {}, []
+    for t in range(tp_size):
+        shapes.append({k: v for group in load(0, t, "model")["param_shapes"] for k, v in group.items()})
+        for d in range(data_ranks):
+            streams[d, t] = torch.cat(load(d, t, "optim")["optimizer_state_dict"]["fp32_flat_groups"])
+    out = []
+    for t in range(tp_size):
+        offset, params = 0, {}
+        for name, shape in shapes[t].items():
+            parts = data_ranks if name in split else world
+            n = math.ceil(shape.numel() / parts)
+            owners = [(d, t) for d in range(data_ranks)] if parts == data_ranks else \
+                [(r // tp_size, r % tp_size) for r in range(world)]
+            params[name] = _Gathered([(streams[owner], offset, n) for owner in owners], shape)
+            offset += n
+        if offset != streams[0, t].numel():
+            raise ValueError(f"{checkpoint}: tensor rank {t}'s ZeRO-3 partitions hold {streams[0, t].numel()} values, "
+                             f"not the {offset} its parameters' shapes need: not a layout export.py reads")
+        out.append(params)
+    return out
 
 
 def main(argv=None):

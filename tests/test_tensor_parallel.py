@@ -3,6 +3,7 @@
 run's end and by export.py from a checkpoint), an exact resume."""
 import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -16,7 +17,7 @@ from engine.checkpoint import missing_files
 from engine.tensor_parallel import SPLIT, check_tp, tp_config
 from models.registry import model_config
 
-STEPS = ["--max_steps", "6", "--warmup_steps", "2", "--save_every", "3", "--eval_every", "0", "--log_every", "1",
+STEPS = ["--max_steps", "10", "--warmup_steps", "2", "--save_every", "5", "--eval_every", "0", "--log_every", "1",
          "--micro_batch_size", "8"]
 
 
@@ -122,8 +123,8 @@ CASES = {  # model, ZeRO stage, checkpointing
 def test_two_tensor_parallel_ranks_train_as_one_rank(one_rank, debug_args, swin_dir, tmp_path, case):
     """TP 2 on 2 ranks reads the one rank's micro-batches and takes its steps: losses within 1e-5 relative (only
     the all-reduces' order of additions differs), the same validation result, an export with its logits, and
-    export.py's merge of the last checkpoint with the same logits (ZeRO-1/2; ZeRO-3's is refused in one line);
-    every rank's checkpoint files; resumed at step 3, the same losses bitwise."""
+    export.py's merge of the last checkpoint with the same logits, bitwise, under every ZeRO stage;
+    every rank's checkpoint files; resumed at step 5, the same losses bitwise."""
     model, stage, ac = case
     model = swin_dir if model == "swin" else model
     args = debug_args + STEPS + ["--model", model, "--drop_path", "0.1", "--zero_stage", stage, "--ac", ac,
@@ -138,20 +139,25 @@ def test_two_tensor_parallel_ranks_train_as_one_rank(one_rank, debug_args, swin_
     images = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(logits(tmp_path / "run" / "hf_model", images), logits(reference / "hf_model", images),
                                rtol=1e-4, atol=1e-5)
-    proc = subprocess.run([sys.executable, "export.py", str(tmp_path / "run" / "checkpoints" / "step0000006"),
+    proc = subprocess.run([sys.executable, "export.py", str(tmp_path / "run" / "checkpoints" / "step0000010"),
                            str(tmp_path / "exported")], cwd=REPO, capture_output=True, text=True, timeout=120)
-    if stage < 3:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        torch.testing.assert_close(logits(tmp_path / "exported", images),
-                                   logits(tmp_path / "run" / "hf_model", images))
-    else:  # one line, exit 2, nothing written
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    torch.testing.assert_close(logits(tmp_path / "exported", images), logits(tmp_path / "run" / "hf_model", images),
+                               rtol=0, atol=0)
+    if stage == 3:  # a rank's partitions missing: one line, exit 2, nothing written
+        broken = tmp_path / "broken" / "checkpoints" / "step0000010"
+        shutil.copytree(tmp_path / "run" / "checkpoints" / "step0000010", broken)
+        shutil.copytree(tmp_path / "run" / "hf_config", tmp_path / "broken" / "hf_config")
+        (broken / "zero_pp_rank_0_mp_rank_01_optim_states.pt").unlink()
+        proc = subprocess.run([sys.executable, "export.py", str(broken), str(tmp_path / "none")], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-        assert "was written under ZeRO-3 with tp_size 2" in proc.stderr and not (tmp_path / "exported").exists()
-    checkpoint = tmp_path / "run" / "checkpoints" / "step0000003"
+        assert "lacks zero_pp_rank_0_mp_rank_01_optim_states.pt" in proc.stderr and not (tmp_path / "none").exists()
+    checkpoint = tmp_path / "run" / "checkpoints" / "step0000005"
     assert missing_files(str(checkpoint), 2, stage, 2) == []
     assert json.loads((checkpoint / "train_state.json").read_text())["tp_size"] == 2
     launch(args + ["--output_dir", tmp_path / "resumed", "--resume", checkpoint])
-    assert losses(tmp_path / "resumed") == losses(tmp_path / "run")[3:]
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "run")[5:]
 
 
 def test_unshard_joins_split_weights_and_checks_replicas():
@@ -172,10 +178,11 @@ def test_unshard_joins_split_weights_and_checks_replicas():
 @pytest.mark.slow
 def test_tensor_and_data_parallel_on_two_nodes_of_two_ranks(debug_args, tmp_path):
     """2-D: 2 torchrun nodes of 2 ranks, each node one tensor group (TP 2), the nodes data-parallel under ZeRO-3,
-    against 2 ranks of data parallelism alone: the same micro-batches per step, the same losses within 1e-5."""
+    against 2 ranks of data parallelism alone: the same micro-batches per step, the same losses within 1e-5; its
+    last checkpoint, in 2 x 2 ZeRO-3 partitions, exported with the final model's weights bitwise."""
     from test_multinode import run_nodes, torchrun_node
 
-    args = debug_args + STEPS + ["--model", "vit-debug", "--zero_stage", "3", "--ac", "selective", "--save_every", "0"]
+    args = debug_args + STEPS + ["--model", "vit-debug", "--zero_stage", "3", "--ac", "selective", "--save_every", "10"]
     port = free_port()
     outs = run_nodes([torchrun_node(r, port, args + ["--tp_size", 2, "--output_dir", tmp_path / "2d"], ranks=2)
                       for r in (0, 1)])
@@ -183,3 +190,9 @@ def test_tensor_and_data_parallel_on_two_nodes_of_two_ranks(debug_args, tmp_path
     launch(args + ["--output_dir", tmp_path / "dp"])
     torch.testing.assert_close(torch.tensor(losses(tmp_path / "2d")), torch.tensor(losses(tmp_path / "dp")),
                                rtol=1e-5, atol=0)
+    proc = subprocess.run([sys.executable, "export.py", str(tmp_path / "2d" / "checkpoints" / "step0000010"),
+                           str(tmp_path / "exported")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    images = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(logits(tmp_path / "exported", images), logits(tmp_path / "2d" / "hf_model", images),
+                               rtol=0, atol=0)
