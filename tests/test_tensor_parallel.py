@@ -178,11 +178,12 @@ def test_unshard_joins_split_weights_and_checks_replicas():
 @pytest.mark.slow
 def test_tensor_and_data_parallel_on_two_nodes_of_two_ranks(debug_args, tmp_path):
     """2-D: 2 torchrun nodes of 2 ranks, each node one tensor group (TP 2), the nodes data-parallel under ZeRO-3,
-    against 2 ranks of data parallelism alone: the same micro-batches per step, the same losses within 1e-5; its
-    last checkpoint, in 2 x 2 ZeRO-3 partitions, exported with the final model's weights bitwise."""
+    against 2 ranks of data parallelism alone: the same micro-batches per step, the same losses within 1e-5;
+    resumed on 2 nodes from step 5, the same losses bitwise; its last checkpoint, in 2 x 2 ZeRO-3 partitions,
+    exported with the final model's weights bitwise."""
     from test_multinode import run_nodes, torchrun_node
 
-    args = debug_args + STEPS + ["--model", "vit-debug", "--zero_stage", "3", "--ac", "selective", "--save_every", "10"]
+    args = debug_args + STEPS + ["--model", "vit-debug", "--zero_stage", "3", "--ac", "selective"]
     port = free_port()
     outs = run_nodes([torchrun_node(r, port, args + ["--tp_size", 2, "--output_dir", tmp_path / "2d"], ranks=2)
                       for r in (0, 1)])
@@ -190,6 +191,12 @@ def test_tensor_and_data_parallel_on_two_nodes_of_two_ranks(debug_args, tmp_path
     launch(args + ["--output_dir", tmp_path / "dp"])
     torch.testing.assert_close(torch.tensor(losses(tmp_path / "2d")), torch.tensor(losses(tmp_path / "dp")),
                                rtol=1e-5, atol=0)
+    checkpoint = tmp_path / "2d" / "checkpoints" / "step0000005"
+    assert missing_files(str(checkpoint), 4, 3, 2) == []
+    port = free_port()
+    run_nodes([torchrun_node(r, port, args + ["--tp_size", 2, "--output_dir", tmp_path / "resumed", "--resume",
+                                              checkpoint], ranks=2) for r in (0, 1)])
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "2d")[5:]
     proc = subprocess.run([sys.executable, "export.py", str(tmp_path / "2d" / "checkpoints" / "step0000010"),
                            str(tmp_path / "exported")], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
