@@ -48,6 +48,36 @@ def decode(sample: dict, num_labels: int | None = None):
     return img, label
 
 
+MASK_KEY = "seg.png"  # a segmentation sample's label map: one 8-bit channel, a class index per pixel
+IGNORE_INDEX = 255  # a mask value that no loss or metric counts (ADE20K's "other", unlabelled pixels)
+
+
+def decode_segmentation(sample: dict, num_labels: int | None = None):
+    """(PIL image, PIL mask) from a raw segmentation sample; raises on a corrupt image or mask, a missing mask, a
+    mask of another size than its image, or a mask value outside [0, num_labels) other than IGNORE_INDEX."""
+    import numpy as np
+
+    ext = next((k for k in IMAGE_KEYS if k in sample), None)
+    if ext is None:
+        raise ValueError(f"no image ({', '.join(IMAGE_KEYS)})")
+    if MASK_KEY not in sample:
+        raise ValueError(f"no mask ({MASK_KEY}): not a segmentation sample")
+    img, mask = Image.open(io.BytesIO(sample[ext])), Image.open(io.BytesIO(sample[MASK_KEY]))
+    img.load()
+    mask.load()
+    if mask.mode not in ("L", "P"):
+        raise ValueError(f"mask mode {mask.mode}: a mask holds one 8-bit channel of class indices (L or P)")
+    if mask.size != img.size:
+        raise ValueError(f"mask {mask.size[0]}x{mask.size[1]} for an image of {img.size[0]}x{img.size[1]}")
+    if num_labels is not None:
+        values = np.unique(np.asarray(mask))
+        bad = values[(values >= num_labels) & (values != IGNORE_INDEX)]
+        if bad.size:
+            raise ValueError(f"mask value {int(bad.max())} outside [0, {num_labels}) (num_labels) and not the ignore "
+                             f"index {IGNORE_INDEX}")
+    return img, mask
+
+
 LABEL_PROBE = 64  # samples read from the first shard of each source to check its labels before training
 
 
@@ -69,6 +99,28 @@ def check_labels(sources, num_labels: int, what: str):
             raise DataError(f"{what}: {len(bad)} of the first {len(labels)} labels of {url} lie outside [0, "
                             f"{num_labels}) (num_labels {num_labels}); the largest is {max(labels)}: set num_labels "
                             f"to the shards' number of classes, or check that these are the shards you meant")
+
+
+def check_masks(sources, num_labels: int, what: str):
+    """DataError when the first samples of a source's first shard are no segmentation samples (most lack a mask),
+    or most of their masks hold values outside [0, num_labels) other than the ignore index: shards of another
+    task or data set, or num_labels too small. A few such samples are corrupt ones, skipped while training."""
+    for source in sources:
+        url, read, errors = source.urls[0], 0, []
+        for sample in iter_samples(url, []):
+            read += 1
+            try:
+                decode_segmentation(sample, num_labels)
+            except ValueError as e:
+                errors.append(str(e))
+            if read == LABEL_PROBE:
+                break
+        if read and len(errors) * 2 > read:
+            no_mask = sum(e.startswith("no mask") for e in errors)
+            why = (f"{no_mask} of the first {read} samples of {url} hold no mask ({MASK_KEY}): these are not "
+                   f"segmentation shards (data/make_shards.py writes them from image/mask pairs)") if no_mask * 2 > read \
+                else f"{len(errors)} of the first {read} samples of {url} are unusable, e.g. {errors[0]}"
+            raise DataError(f"{what}: {why}")
 
 
 def _rng(*parts) -> random.Random:
@@ -95,7 +147,7 @@ def check_streams(streams: int, world_size: int, grad_accum_steps: int, num_work
 class ShardStream(torch.utils.data.IterableDataset):
     def __init__(self, sources, *, mode: str, rank: int, world_size: int, num_workers: int, micro_batch_size: int,
                  shuffle_buffer: int, seed: int, transform, grad_accum_steps: int = 1, streams: int = 0,
-                 state: dict | None = None, num_labels: int | None = None):
+                 state: dict | None = None, num_labels: int | None = None, task: str = "classification"):
         if mode not in ("epoch", "resampled"):
             raise DataError(f"data mode must be 'epoch' or 'resampled', got '{mode}'")
         self.sources, self.mode, self.rank, self.world_size = sources, mode, rank, world_size
@@ -111,6 +163,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.rank_streams = [(i // grad_accum_steps) * per_step + rank * grad_accum_steps + i % grad_accum_steps
                              for i in range(per_rank)]
         self.transform, self.num_labels = transform, num_labels  # a label outside [0, num_labels): a corrupt sample
+        self.segmentation = task == "segmentation"  # (image, mask) samples, transformed together
         self.state = state or {"batches": 0, "streams": {}}
         if mode == "epoch":
             if any(s.weight != 1.0 for s in sources):
@@ -181,12 +234,15 @@ class ShardStream(torch.utils.data.IterableDataset):
 
     # ------------------------------------------------------------- reading
     def _prepare(self, sample, epoch: int):
-        """(tensor, label, key) or None for an unreadable sample, which is counted and skipped."""
+        """(tensor, label or mask, key) or None for an unreadable sample, which is counted and skipped."""
         if sample is None:
             return None
         try:
+            rng = _rng(self.seed, "aug", epoch, sample["__key__"])
+            if self.segmentation:
+                return (*self.transform(*decode_segmentation(sample, self.num_labels), rng), sample["__key__"])
             img, label = decode(sample, self.num_labels)
-            return self.transform(img, _rng(self.seed, "aug", epoch, sample["__key__"])), label, sample["__key__"]
+            return self.transform(img, rng), label, sample["__key__"]
         except Exception as e:  # corrupt image, missing or malformed label
             warnings.warn(f"skipped sample {sample.get('__key__')} of {sample.get('__url__')}: {e!r}")
             return None
@@ -243,7 +299,7 @@ class ShardStream(torch.utils.data.IterableDataset):
                     done += 1
                     pos = [epoch, block, index, done] if index < len(slots) else [epoch, block + 1, 0, done]
                     images, labels, keys = zip(*batch)
-                    yield torch.stack(images), torch.tensor(labels), {
+                    yield torch.stack(images), _collate(labels), {
                         "stream": stream, "pos": pos, "skipped": skipped, "padded": padded, "keys": list(keys)}
                     batch, skipped, padded = [], 0, 0
                     if self.mode == "epoch" and done == self.batches_per_epoch:
@@ -368,10 +424,16 @@ def resume_state(saved: dict | None, *, step: int, mode: str, seed: int, data_st
     return {"batches": step * grad_accum_steps, "streams": saved["streams"]}, streams, None
 
 
-def eval_batches(sources, transform, batch_size: int, rank: int, world_size: int, num_labels: int | None = None):
+def _collate(labels) -> torch.Tensor:
+    """A batch's labels, (B,), or its masks, (B, H, W)."""
+    return torch.stack(labels) if isinstance(labels[0], torch.Tensor) else torch.tensor(labels)
+
+
+def eval_batches(sources, transform, batch_size: int, rank: int, world_size: int, num_labels: int | None = None,
+                 task: str = "classification"):
     """Every validation sample once across ranks, in order; ranks may get different batch counts
     (engine.evaluation.evaluate evens them out). Unreadable samples, and labels outside [0, num_labels), are skipped
-    with a warning."""
+    with a warning. `segmentation`: (images, masks) batches."""
     urls = [u for s in sources for u in s.urls]
     mine = urls[rank::world_size] if len(urls) >= world_size else urls
     stride = 1 if len(urls) >= world_size else world_size
@@ -382,14 +444,17 @@ def eval_batches(sources, transform, batch_size: int, rank: int, world_size: int
             if stride > 1 and (n - 1) % stride != rank:
                 continue
             try:
-                img, label = decode(sample, num_labels)
-                batch.append((transform(img, None), label))
+                if task == "segmentation":
+                    batch.append(transform(*decode_segmentation(sample, num_labels)))
+                else:
+                    img, label = decode(sample, num_labels)
+                    batch.append((transform(img, None), label))
             except Exception as e:
                 warnings.warn(f"skipped val sample {sample.get('__key__')} of {sample.get('__url__')}: {e!r}")
             if len(batch) == batch_size:
-                yield torch.stack([b[0] for b in batch]), torch.tensor([b[1] for b in batch])
+                yield torch.stack([b[0] for b in batch]), _collate([b[1] for b in batch])
                 batch = []
     for e in errors:
         warnings.warn(f"skipped val data: {e}")
     if batch:
-        yield torch.stack([b[0] for b in batch]), torch.tensor([b[1] for b in batch])
+        yield torch.stack([b[0] for b in batch]), _collate([b[1] for b in batch])

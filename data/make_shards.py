@@ -5,6 +5,8 @@
     python data/make_shards.py ~/flowers data/flowers --val-fraction 0.1  # image folder -> train + val
     python data/make_shards.py ~/hf_saved data/x --image-column img --label-column label   # save_to_disk
     python data/make_shards.py ~/parquet_dir data/x                      # a folder of parquet files
+    python data/make_shards.py digits-seg data/digits-seg                # segmentation: digits on a canvas
+    python data/make_shards.py ~/ADEChallengeData2016 data/ade20k        # images/ + annotations/ pairs
 
 SRC is `digits`, an image folder with one sub-folder per class (ImageNet layout), a Hugging Face
 `datasets` dataset saved with `save_to_disk`, or a folder of parquet files. Each sample holds
@@ -12,6 +14,9 @@ SRC is `digits`, an image folder with one sub-folder per class (ImageNet layout)
 --format), `cls` (label index as text) and `txt` (class name). `_info.json` records the sample
 counts per split and per shard and the class names, in the layout timm's WebDataset reader reads.
 Unreadable images are skipped, counted and listed at the end; they never stop the run.
+
+Segmentation (`digits-seg`, or a folder holding `images/` and `annotations/` as ADE20K's does): each sample holds
+the image and `seg.png`, its mask (8-bit, a class index per pixel, 255 ignored); docs/data.md gives the layout.
 """
 import argparse
 import io
@@ -28,6 +33,7 @@ from tqdm import tqdm
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 FORMAT_EXT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
 EXT_FORMAT = {"jpg": "JPEG", "png": "PNG", "webp": "WEBP"}
+IGNORE_INDEX = 255  # a mask value no loss or metric counts (data/loader.py reads the same)
 
 
 # ---------------------------------------------------------------- sources: (key, payload, label) items
@@ -44,6 +50,73 @@ def digits_items():
         Image.fromarray(image, mode="L").save(buf, format="PNG")
         items.append((f"digits_{i:05d}", buf.getvalue(), int(label)))
     return items, [str(c) for c in digits.target_names]
+
+
+SEG_CANVAS, SEG_DIGIT = 32, 16  # digits-seg: a 32x32 canvas of 16x16 digits (the 8x8 ones, upscaled)
+
+
+def digits_seg_items():
+    """Segmentation from real data: each canvas holds one to three of scikit-learn's digits, upscaled to 16x16 and
+    placed at random without overlap; each pixel of a digit's ink is labelled 1 + the digit, everything else
+    0 (background). Canvas i holds digit i and, from a generator seeded by i, up to two others."""
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    ink = np.kron(np.round(digits.images * (255.0 / 16.0)).astype(np.uint8), np.ones((2, 2), np.uint8))
+    cells = [(y, x) for y in range(0, SEG_CANVAS, SEG_DIGIT) for x in range(0, SEG_CANVAS, SEG_DIGIT)]
+    items = []
+    for i in range(len(digits.images)):
+        rng = random.Random(f"digits-seg/{i}")
+        chosen = [i] + [rng.randrange(len(digits.images)) for _ in range(rng.randint(0, 2))]
+        image = np.zeros((SEG_CANVAS, SEG_CANVAS), np.uint8)
+        mask = np.zeros((SEG_CANVAS, SEG_CANVAS), np.uint8)
+        for d, (y, x) in zip(chosen, rng.sample(cells, len(chosen))):
+            region = (slice(y, y + SEG_DIGIT), slice(x, x + SEG_DIGIT))
+            image[region] = ink[d]
+            mask[region][ink[d] >= 64] = 1 + int(digits.target[d])
+        items.append((f"digits_seg_{i:05d}", _png(image), _png(mask)))
+    return items, ["background"] + [str(c) for c in digits.target_names]
+
+
+def _png(array) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(array, mode="L").save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def pair_items(root: str):
+    """Segmentation pairs in ADE20K's layout: root/images/**/<name>.<jpg|png> and root/annotations/**/<name>.png,
+    matched by their path below images/ and annotations/ (an image without its mask is reported and skipped).
+    Class names from root/classes.txt (one per line, in label order) or else the label values found are named by
+    number. Returns items (key, image path, mask path or None, split or None): a first folder named
+    training/train or validation/val decides the split."""
+    import numpy as np
+
+    images, annotations = os.path.join(root, "images"), os.path.join(root, "annotations")
+    items, top = [], 0
+    for dirpath, _, files in sorted(os.walk(images)):
+        for f in sorted(files):
+            if not f.lower().endswith(IMAGE_SUFFIXES):
+                continue
+            rel = os.path.relpath(os.path.join(dirpath, f), images)
+            mask = os.path.join(annotations, os.path.splitext(rel)[0] + ".png")
+            first = rel.split(os.sep)[0] if os.sep in rel else ""
+            split = {"training": "train", "train": "train", "validation": "val", "val": "val"}.get(first)
+            key = os.path.splitext(rel)[0].replace("/", "_").replace(".", "_")
+            items.append((key, os.path.join(images, rel), mask if os.path.isfile(mask) else None, split))
+    names_file = os.path.join(root, "classes.txt")
+    if os.path.isfile(names_file):
+        with open(names_file) as fh:
+            names = [line.strip() for line in fh if line.strip()]
+    else:
+        for _, _, mask, _ in items:
+            if mask:
+                with Image.open(mask) as m:
+                    values = np.unique(np.asarray(m))
+                top = max([top] + [int(v) for v in values if v != 255])
+        names = [str(i) for i in range(top + 1)]
+    return items, names
 
 
 def folder_items(root: str):
@@ -124,25 +197,57 @@ def encode(item, resize: int, fmt: str):
         return key, None, None, None, f"{type(e).__name__}: {e}"
 
 
+def encode_pair(item, resize: int, fmt: str):
+    """A segmentation pair: (key, ext, image bytes, mask PNG bytes, None) or (key, None, None, None, reason). The
+    mask is stored as an 8-bit single-channel PNG, resized with nearest-neighbour alongside the image."""
+    key, payload, mask_payload = item
+    if mask_payload is None:
+        return key, None, None, None, "no mask beside the image"
+    key, ext, data, _, error = encode((key, payload, 0), resize, fmt)
+    if error:
+        return key, None, None, None, error
+    try:
+        raw = mask_payload if isinstance(mask_payload, (bytes, bytearray)) else open(mask_payload, "rb").read()
+        with Image.open(io.BytesIO(raw)) as mask, Image.open(io.BytesIO(data)) as img:
+            mask.load()
+            if mask.mode not in ("L", "P"):
+                raise ValueError(f"mask mode {mask.mode}: a mask holds one 8-bit channel of class indices")
+            if resize:
+                mask = mask.resize(img.size, Image.NEAREST)
+            elif mask.size != img.size:
+                raise ValueError(f"mask {mask.size[0]}x{mask.size[1]} for an image of {img.size[0]}x{img.size[1]}")
+            buf = io.BytesIO()
+            mask.save(buf, format="PNG")
+        return key, ext, data, buf.getvalue(), None
+    except Exception as e:
+        return key, None, None, None, f"{type(e).__name__}: {e}"
+
+
 def _encode_star(args):
     return encode(*args)
 
 
+def _encode_pair_star(args):
+    return encode_pair(*args)
+
+
 def write_split(out_dir: str, split: str, items, class_names, shard_size: int, resize: int, fmt: str,
-                workers: int, bad: list):
-    """Write one split's shards in item order; returns its `_info.json` entry."""
+                workers: int, bad: list, segmentation: bool = False):
+    """Write one split's shards in item order; returns its `_info.json` entry. A classification sample holds
+    the image, `cls` and `txt`; a segmentation one the image and its mask (`seg.png`)."""
     pattern = os.path.join(out_dir, f"{split}-%06d.tar")
     lengths = []
     jobs = ((item, resize, fmt) for item in items)
     with mp.Pool(workers) if workers > 1 else _Serial() as pool, \
             wds.ShardWriter(pattern, maxcount=shard_size, verbose=0) as sink:
-        results = pool.imap(_encode_star, jobs, chunksize=16)
+        results = pool.imap(_encode_pair_star if segmentation else _encode_star, jobs, chunksize=16)
         for key, ext, data, label, error in tqdm(results, total=len(items), desc=f"{split} shards", unit="img",
                                                  disable=not sys.stderr.isatty()):
             if error:
                 bad.append((key, error))
                 continue
-            sink.write({"__key__": key, ext: data, "cls": str(label), "txt": class_names[label]})
+            sink.write({"__key__": key, ext: data, "seg.png": label} if segmentation else
+                       {"__key__": key, ext: data, "cls": str(label), "txt": class_names[label]})
             if sink.count == 1:
                 lengths.append(0)
             lengths[-1] += 1
@@ -178,10 +283,19 @@ def main(argv=None):
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="encoding processes")
     args = ap.parse_args(argv)
 
+    fixed_splits, segmentation = None, False
     if args.src == "digits":
         items, class_names, name = *digits_items(), "digits"
+    elif args.src == "digits-seg":
+        items, class_names, name, segmentation = *digits_seg_items(), "digits-seg", True
     elif not os.path.isdir(args.src):
-        sys.exit(f"error: source '{args.src}' is neither 'digits' nor a directory")
+        sys.exit(f"error: source '{args.src}' is neither 'digits', 'digits-seg' nor a directory")
+    elif os.path.isdir(os.path.join(args.src, "images")) and os.path.isdir(os.path.join(args.src, "annotations")):
+        pairs, class_names = pair_items(args.src)
+        items, segmentation = [(k, i, m) for k, i, m, _ in pairs], True
+        name = os.path.basename(os.path.normpath(args.src))
+        if not args.split and pairs and all(split for *_, split in pairs):  # training/ and validation/ folders
+            fixed_splits = {split: [(k, i, m) for k, i, m, sp in pairs if sp == split] for split in ("train", "val")}
     elif any(f.endswith((".arrow", ".parquet", ".json")) for f in os.listdir(args.src)):
         items, class_names, name = *hf_items(args.src, args.image_column, args.label_column), os.path.basename(
             os.path.normpath(args.src))
@@ -193,19 +307,25 @@ def main(argv=None):
     random.Random(args.seed).shuffle(items)  # shards hold a mix of classes, so any shard is a fair sample
     if args.split:
         splits = {args.split: items}
+    elif fixed_splits:
+        splits = {k: v for k, v in fixed_splits.items() if v}
+        for v in splits.values():
+            random.Random(args.seed).shuffle(v)
     else:
         n_val = int(round(len(items) * args.val_fraction))
         splits = {"train": items[n_val:], "val": items[:n_val]}
     os.makedirs(args.out, exist_ok=True)
     info_path = os.path.join(args.out, "_info.json")
     info = {"name": name, "num_classes": len(class_names), "class_names": class_names, "splits": {}}
+    if segmentation:
+        info.update(task="segmentation", ignore_index=IGNORE_INDEX)
     if args.split and os.path.isfile(info_path):  # adding a split to an existing output keeps the others
         with open(info_path) as f:
             info["splits"] = json.load(f).get("splits", {})
     bad = []
     for split, split_items in splits.items():
         info["splits"][split] = write_split(args.out, split, split_items, class_names, args.shard_size,
-                                            args.resize, args.format, args.workers, bad)
+                                            args.resize, args.format, args.workers, bad, segmentation)
     tmp = info_path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(info, f, indent=1)

@@ -104,6 +104,39 @@ class TrainTransform(EvalTransform):
         return _to_tensor(img)
 
 
+class SegEvalTransform(EvalTransform):
+    """Segmentation: the image as EvalTransform gives it, its mask resized alike with nearest-neighbour (a label is
+    never blended with its neighbour's); (uint8 (3, H, W), int64 (H, W))."""
+
+    def __call__(self, img: Image.Image, mask: Image.Image, rng=None) -> tuple[torch.Tensor, torch.Tensor]:
+        return super().__call__(img), _mask_tensor(mask.resize(self.size, Image.NEAREST))
+
+
+class SegTrainTransform(TrainTransform):
+    """Segmentation: one random resized crop and flip for the image and its mask together (the mask
+    nearest-neighbour), then RandAugment's photometric ops on the image alone (its geometric ones would move
+    pixels off their labels). Crop scale from `crop_scale_min`, as for classification."""
+
+    PHOTOMETRIC = ("AutoContrast", "Equalize", "Solarize", "Posterize", "Color", "Contrast", "Brightness", "Sharpness")
+
+    def __call__(self, img: Image.Image, mask: Image.Image, rng) -> tuple[torch.Tensor, torch.Tensor]:
+        img = img.convert("RGB")
+        if img.size != mask.size:
+            raise ValueError(f"image {img.size[0]}x{img.size[1]} and mask {mask.size[0]}x{mask.size[1]} differ in size")
+        box = self._crop_box(*img.size, rng) if self.scale[0] < 1.0 else None
+        img = img.resize(self.size, self.resample, box=box)
+        mask = mask.resize(self.size, Image.NEAREST, box=box)
+        if rng.random() < self.hflip:
+            img, mask = ImageOps.mirror(img), ImageOps.mirror(mask)
+        for name in rng.sample(self.PHOTOMETRIC, min(self.n, len(self.PHOTOMETRIC))) if self.n else ():
+            img = RAND_OPS[name](img, self.m, rng.choice((-1, 1)))
+        return _to_tensor(img), _mask_tensor(mask)
+
+
+def _mask_tensor(mask: Image.Image) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(mask, dtype=np.uint8).astype(np.int64))
+
+
 def mix_batch(images: torch.Tensor, labels: torch.Tensor, num_classes: int, mixup: float, cutmix: float,
               generator: torch.Generator):
     """Mixup (Zhang et al. 2018) or CutMix (Yun et al. 2019), one of them per batch with equal odds when
