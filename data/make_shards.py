@@ -7,6 +7,7 @@
     python data/make_shards.py ~/parquet_dir data/x                      # a folder of parquet files
     python data/make_shards.py digits-seg data/digits-seg                # segmentation: digits on a canvas
     python data/make_shards.py ~/ADEChallengeData2016 data/ade20k        # images/ + annotations/ pairs
+    python data/make_shards.py ~/hf_seg data/x --mask-column annotation  # segmentation from save_to_disk
 
 SRC is `digits`, an image folder with one sub-folder per class (ImageNet layout), a Hugging Face
 `datasets` dataset saved with `save_to_disk`, or a folder of parquet files. Each sample holds
@@ -91,10 +92,8 @@ def pair_items(root: str):
     Class names from root/classes.txt (one per line, in label order) or else the label values found are named by
     number. Returns items (key, image path, mask path or None, split or None): a first folder named
     training/train or validation/val decides the split."""
-    import numpy as np
-
     images, annotations = os.path.join(root, "images"), os.path.join(root, "annotations")
-    items, top = [], 0
+    items = []
     for dirpath, _, files in sorted(os.walk(images)):
         for f in sorted(files):
             if not f.lower().endswith(IMAGE_SUFFIXES):
@@ -108,15 +107,33 @@ def pair_items(root: str):
     names_file = os.path.join(root, "classes.txt")
     if os.path.isfile(names_file):
         with open(names_file) as fh:
-            names = [line.strip() for line in fh if line.strip()]
-    else:
-        for _, _, mask, _ in items:
-            if mask:
-                with Image.open(mask) as m:
-                    values = np.unique(np.asarray(m))
-                top = max([top] + [int(v) for v in values if v != 255])
-        names = [str(i) for i in range(top + 1)]
-    return items, names
+            return items, [line.strip() for line in fh if line.strip()]
+    return items, _numbered_classes([mask for _, _, mask, _ in items])
+
+
+def hf_pair_items(src: str, image_column: str, mask_column: str):
+    """Segmentation pairs from a `save_to_disk` directory or parquet files: an image column and a mask column, both
+    kept as stored; class names number the mask values found."""
+    ds = _load_hf(src)
+    for column in (image_column, mask_column):
+        if column not in ds.column_names:
+            raise SystemExit(f"error: column '{column}' not in {ds.column_names} (see --image-column/--mask-column)")
+    masks = _stored(ds, mask_column)
+    items = [(f"{i:08d}", image, mask) for i, (image, mask) in enumerate(zip(_stored(ds, image_column), masks))]
+    return items, _numbered_classes(masks)
+
+
+def _numbered_classes(masks) -> list:
+    """'0' to the largest mask value found (the ignore index aside), for shards whose classes have no names."""
+    import numpy as np
+
+    top = 0
+    for mask in masks:
+        if mask is None:
+            continue
+        with Image.open(io.BytesIO(mask) if isinstance(mask, (bytes, bytearray)) else mask) as m:
+            top = max([top] + [int(v) for v in np.unique(np.asarray(m)) if v != IGNORE_INDEX])
+    return [str(i) for i in range(top + 1)]
 
 
 def folder_items(root: str):
@@ -135,8 +152,8 @@ def folder_items(root: str):
     return items, classes
 
 
-def hf_items(src: str, image_column: str, label_column: str):
-    """A `save_to_disk` directory or a folder of parquet files, images kept as their stored bytes."""
+def _load_hf(src: str):
+    """The one split of a `save_to_disk` directory or a folder of parquet files."""
     import datasets
 
     if os.path.isfile(os.path.join(src, "dataset_info.json")) or os.path.isfile(os.path.join(src, "state.json")):
@@ -148,20 +165,37 @@ def hf_items(src: str, image_column: str, label_column: str):
         ds = datasets.load_dataset("parquet", data_files=files, split="train")
     if isinstance(ds, datasets.DatasetDict):
         raise SystemExit(f"error: '{src}' holds several splits ({', '.join(ds)}): point at one of them")
+    return ds
+
+
+def _stored(ds, column: str):
+    """Each row's bytes (or path) of an image column, as stored: nothing decoded here."""
+    import datasets
+
+    if isinstance(ds.features[column], datasets.Image):
+        ds = ds.cast_column(column, datasets.Image(decode=False))
+    out = []
+    for row in ds.select_columns([column]):
+        image = row[column]
+        payload = image.get("bytes") if isinstance(image, dict) else image
+        if payload is None and isinstance(image, dict) and image.get("path"):
+            payload = image["path"]
+        out.append(payload)
+    return out
+
+
+def hf_items(src: str, image_column: str, label_column: str):
+    """A `save_to_disk` directory or a folder of parquet files, images kept as their stored bytes."""
+    import datasets
+
+    ds = _load_hf(src)
     for column in (image_column, label_column):
         if column not in ds.column_names:
             raise SystemExit(f"error: column '{column}' not in {ds.column_names} (see --image-column/--label-column)")
     feature = ds.features[label_column]
     names = list(feature.names) if isinstance(feature, datasets.ClassLabel) else None
-    if isinstance(ds.features[image_column], datasets.Image):
-        ds = ds.cast_column(image_column, datasets.Image(decode=False))  # bytes as stored, no decode here
-    items = []
-    for i, row in enumerate(ds.select_columns([image_column, label_column])):
-        image = row[image_column]
-        payload = image.get("bytes") if isinstance(image, dict) else image
-        if payload is None and isinstance(image, dict) and image.get("path"):
-            payload = image["path"]
-        items.append((f"{i:08d}", payload, row[label_column]))
+    items = [(f"{i:08d}", payload, label) for i, (payload, label) in enumerate(zip(_stored(ds, image_column),
+                                                                                  ds[label_column]))]
     if names is None:
         labels = sorted({label for _, _, label in items if label is not None}, key=str)
         names = [str(label) for label in labels]
@@ -280,6 +314,8 @@ def main(argv=None):
     ap.add_argument("--format", choices=sorted(EXT_FORMAT), default=None, help="re-encode to this format")
     ap.add_argument("--image-column", default="image", help="image column of a Hugging Face dataset")
     ap.add_argument("--label-column", default="label", help="label column of a Hugging Face dataset")
+    ap.add_argument("--mask-column", default=None,
+                    help="segmentation: the mask column of a Hugging Face dataset (writes image/mask shards)")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="encoding processes")
     args = ap.parse_args(argv)
 
@@ -296,6 +332,9 @@ def main(argv=None):
         name = os.path.basename(os.path.normpath(args.src))
         if not args.split and pairs and all(split for *_, split in pairs):  # training/ and validation/ folders
             fixed_splits = {split: [(k, i, m) for k, i, m, sp in pairs if sp == split] for split in ("train", "val")}
+    elif args.mask_column and any(f.endswith((".arrow", ".parquet", ".json")) for f in os.listdir(args.src)):
+        items, class_names = hf_pair_items(args.src, args.image_column, args.mask_column)
+        name, segmentation = os.path.basename(os.path.normpath(args.src)), True
     elif any(f.endswith((".arrow", ".parquet", ".json")) for f in os.listdir(args.src)):
         items, class_names, name = *hf_items(args.src, args.image_column, args.label_column), os.path.basename(
             os.path.normpath(args.src))

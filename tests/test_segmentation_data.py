@@ -78,6 +78,27 @@ def test_writer_pairs_in_ade20k_layout(tmp_path):
         assert np.array_equal(np.asarray(Image.open(io.BytesIO(sample["seg.png"]))), masks[key])
 
 
+def test_writer_hugging_face_dataset_with_a_mask_column(tmp_path):
+    """A save_to_disk dataset with image and annotation columns (--mask-column): every pair once, the masks value
+    for value, class names numbering the values found."""
+    import datasets
+
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 255, (8, 6, 3), dtype=np.uint8)) for _ in range(6)]
+    masks = [rng.integers(0, 4, (8, 6)).astype(np.uint8) for _ in range(6)]
+    ds = datasets.Dataset.from_dict({"image": images, "annotation": [Image.fromarray(m, mode="L") for m in masks]},
+                                    features=datasets.Features({"image": datasets.Image(),
+                                                                "annotation": datasets.Image()}))
+    ds.save_to_disk(str(tmp_path / "src"))
+    run_writer(tmp_path / "src", tmp_path / "out", "--mask-column", "annotation", "--split", "train")
+    info = json.loads((tmp_path / "out" / "_info.json").read_text())
+    assert info["task"] == "segmentation" and info["class_names"] == ["0", "1", "2", "3"]
+    samples = read_tar(tmp_path / "out" / "train-000000.tar")
+    assert len(samples) == 6
+    for key, sample in samples.items():
+        assert np.array_equal(np.asarray(Image.open(io.BytesIO(sample["seg.png"]))), masks[int(key)])
+
+
 def synthetic_shard(path, n, size=24):
     """Samples whose grey image is 20 x its mask, pixel for pixel: any transform that moves the image and its mask
     alike keeps that relation."""
