@@ -162,7 +162,9 @@ def profile_blocks(model, images: torch.Tensor) -> Profile:
     try:
         with torch.random.fork_rng(devices=[]), compat.functional_linear_is_torchs(), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flops, recorder:
-            model(images).logits.sum()
+            out = model(images)
+            if getattr(out, "logits", None) is not None:  # (a masked-image model's output has none)
+                out.logits.sum()
     finally:
         for h in handles:
             h.remove()

@@ -1,0 +1,79 @@
+"""The model of each task, built from the registry's ViT and Swin sizes with transformers' own classes.
+
+    classification  ViTForImageClassification / SwinForImageClassification (models/registry.py)
+    mae             ViTMAEForPreTraining (He et al. 2022): the encoder sees the kept patches only, a light
+                    decoder predicts the masked ones' normalised pixels; ViT only
+    simmim          ViTForMaskedImageModeling / SwinForMaskedImageModeling (Xie et al. 2022): masked patches
+                    replaced by a learned token, a linear decoder predicts their pixels
+    segmentation    UperNetForSemanticSegmentation over a Swin backbone (Xiao et al. 2018; Liu et al. 2021)
+
+Every model's blocks are found by structure (models/blocks.py), so the checkpointing policies and the ZeRO
+wrapping treat them as a classifier's. The trainer's `task` key is not wired to these yet.
+"""
+import copy
+
+from config import ConfigError
+from models.registry import NAMES, init_weights, model_config
+
+TASKS = ("classification", "mae", "simmim", "segmentation")
+# MAE's decoder for ViT-B and larger (He et al. 2022, Table 1: 8 blocks of width 512, 16 heads); a narrower
+# encoder gets a decoder of its own width and heads, half its depth
+MAE_DECODER = {"hidden": 512, "depth": 8, "heads": 16}
+UPERNET_CHANNELS = 512  # UperNet's pyramid pooling and FPN width in the Swin papers' ADE20K setup
+
+
+def task_config(name: str, task: str, num_labels: int, image_size: int, patch_size: int = 0, class_names=None,
+                drop_path: float = 0.0, mask_ratio: float = 0.75):
+    """(transformers config, model class) of `task` on the registry model `name`; ConfigError for a task the
+    model's family does not support."""
+    from transformers import (SwinForImageClassification, SwinForMaskedImageModeling, UperNetConfig,
+                              UperNetForSemanticSegmentation, ViTForImageClassification, ViTForMaskedImageModeling,
+                              ViTMAEConfig, ViTMAEForPreTraining)
+
+    if task not in TASKS:
+        raise ConfigError(f"unknown task '{task}' (one of: {', '.join(TASKS)})")
+    base = model_config(name, num_labels, image_size, patch_size, class_names, drop_path)
+    vit = base.model_type == "vit"
+    if task == "classification":
+        return base, ViTForImageClassification if vit else SwinForImageClassification
+    if task == "mae":
+        if not vit:
+            raise ConfigError(f"task mae needs a ViT ({name} is a {base.model_type}): MAE's encoder drops the masked "
+                              f"patches, which a Swin's windows cannot; pretrain a Swin with task simmim")
+        if not 0 < mask_ratio < 1:
+            raise ConfigError(f"mask_ratio {mask_ratio} must lie in (0, 1)")
+        wide = base.hidden_size >= MAE_DECODER["hidden"]
+        hidden = MAE_DECODER["hidden"] if wide else base.hidden_size
+        config = ViTMAEConfig(
+            hidden_size=base.hidden_size, num_hidden_layers=base.num_hidden_layers,
+            num_attention_heads=base.num_attention_heads, intermediate_size=base.intermediate_size,
+            image_size=image_size, patch_size=base.patch_size, mask_ratio=mask_ratio, norm_pix_loss=True,
+            decoder_hidden_size=hidden, decoder_intermediate_size=4 * hidden,
+            decoder_num_hidden_layers=MAE_DECODER["depth"] if wide else max(1, base.num_hidden_layers // 2),
+            decoder_num_attention_heads=MAE_DECODER["heads"] if wide else base.num_attention_heads)
+        return config, ViTMAEForPreTraining
+    if task == "simmim":
+        config = copy.deepcopy(base)
+        # the decoder upsamples the last feature map back to pixels by this stride
+        config.encoder_stride = base.patch_size if vit else base.patch_size * 2 ** (len(base.depths) - 1)
+        return config, ViTForMaskedImageModeling if vit else SwinForMaskedImageModeling
+    if vit:
+        raise ConfigError(f"task segmentation needs a Swin backbone ({name} is a ViT, whose single-scale features "
+                          f"UperNet cannot use)")
+    backbone = copy.deepcopy(base)
+    backbone.out_features = [f"stage{i + 1}" for i in range(len(base.depths))]
+    config = UperNetConfig(backbone_config=backbone.to_dict(), num_labels=num_labels, id2label=base.id2label,
+                           label2id=base.label2id, hidden_size=min(UPERNET_CHANNELS, 4 * base.embed_dim),
+                           use_auxiliary_head=False)
+    return config, UperNetForSemanticSegmentation
+
+
+def build_task_model(name: str, task: str, num_labels: int, image_size: int, patch_size: int = 0, seed: int = 0,
+                     gathered=None, **kwargs):
+    """`task`'s model on a registry name, its weights from `seed` alone (models/registry.init_weights)."""
+    if name not in NAMES:
+        raise ConfigError(f"task {task}: a registry model is needed ({', '.join(NAMES)}); '{name}' is not one")
+    config, cls = task_config(name, task, num_labels, image_size, patch_size, **kwargs)
+    model = cls._from_config(config)
+    init_weights(model, seed, gathered)
+    return model
