@@ -8,8 +8,8 @@ checkpoint's fp32 master copy, merged from every rank's partitions by DeepSpeed'
 and written shard by shard (safetensors, 5 GB shards), so host memory never holds more than one shard of the
 model. A tensor-parallel checkpoint (`tp_size` > 1) is merged per tensor rank (ZeRO-1/2's the same way, ZeRO-3's
 from its partitions as DeepSpeed lays them out under AutoTP), then each split weight is concatenated along its
-split dimension, one weight at a time. config.json and the image processor come from the run's `hf_config/`, which train.py
-writes at start. The directory is written under `OUT.partial` and renamed when complete.
+split dimension, one weight at a time. config.json and the image processor come from the run's `hf_config/`,
+which train.py writes at start. The directory is written under `OUT.partial` and renamed when complete.
 """
 import argparse
 import json
@@ -115,8 +115,30 @@ def zero12_tensor_rank(checkpoint: str, t: int, views: str) -> dict:
     return get_fp32_state_dict_from_zero_checkpoint(os.path.dirname(view), tag, lazy_mode=True)
 
 
+class _Stream:
+    """One rank's fp32 partitions, as the checkpoint holds them: a list of flat sub-groups (memory-mapped), read
+    as one stream."""
+
+    def __init__(self, groups: list):
+        self.groups, self.starts = groups, [0]
+        for g in groups:
+            self.starts.append(self.starts[-1] + g.numel())
+
+    def numel(self) -> int:
+        return self.starts[-1]
+
+    def read(self, start: int, n: int) -> list:
+        """Values [start, start + n) of the stream, as slices of its sub-groups."""
+        out = []
+        for g, lo, hi in zip(self.groups, self.starts, self.starts[1:]):
+            if lo < start + n and start < hi:
+                a = max(start, lo) - lo
+                out.append(g.narrow(0, a, min(start + n, hi) - lo - a))
+        return out
+
+
 class _Gathered:
-    """One parameter's fp32 value, read when asked for: its partitions' slices of the ranks' flat streams."""
+    """One parameter's fp32 value, read when asked for: its partitions' slices of the ranks' streams."""
 
     def __init__(self, pieces: list, shape):
         self.pieces, self.shape = pieces, shape
@@ -124,8 +146,8 @@ class _Gathered:
     def contiguous(self):
         import torch
 
-        return torch.cat([flat.narrow(0, start, n) for flat, start, n in self.pieces])[:self.shape.numel()].view(
-            self.shape).clone()
+        parts = [p for stream, start, n in self.pieces for p in stream.read(start, n)]
+        return torch.cat(parts)[:self.shape.numel()].view(self.shape).clone()
 
 
 def zero3_tensor_ranks(checkpoint: str, tp_size: int, split: set) -> list:
@@ -153,7 +175,7 @@ def zero3_tensor_ranks(checkpoint: str, tp_size: int, split: set) -> list:
     for t in range(tp_size):
         shapes.append({k: v for group in load(0, t, "model")["param_shapes"] for k, v in group.items()})
         for d in range(data_ranks):
-            streams[d, t] = torch.cat(load(d, t, "optim")["optimizer_state_dict"]["fp32_flat_groups"])
+            streams[d, t] = _Stream(load(d, t, "optim")["optimizer_state_dict"]["fp32_flat_groups"])
     out = []
     for t in range(tp_size):
         offset, params = 0, {}

@@ -117,9 +117,11 @@ def check_masks(sources, num_labels: int, what: str):
                 break
         if read and len(errors) * 2 > read:
             no_mask = sum(e.startswith("no mask") for e in errors)
-            why = (f"{no_mask} of the first {read} samples of {url} hold no mask ({MASK_KEY}): these are not "
-                   f"segmentation shards (data/make_shards.py writes them from image/mask pairs)") if no_mask * 2 > read \
-                else f"{len(errors)} of the first {read} samples of {url} are unusable, e.g. {errors[0]}"
+            if no_mask * 2 > read:
+                why = (f"{no_mask} of the first {read} samples of {url} hold no mask ({MASK_KEY}): these are not "
+                       f"segmentation shards (data/make_shards.py writes them from image/mask pairs)")
+            else:
+                why = f"{len(errors)} of the first {read} samples of {url} are unusable, e.g. {errors[0]}"
             raise DataError(f"{what}: {why}")
 
 
