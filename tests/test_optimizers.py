@@ -31,7 +31,7 @@ def muon_run(stage, muon_lr, debug_args, out):
     return top, rest
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_muon_steps_matrices_and_adamw_the_rest(stage, debug_args, tmp_path):
     """DeepSpeed's Muon moves W by muon_lr x its Newton-Schulz orthogonalisation of the momentum, whose singular
     values lie in about (0.5, 1.5) (the quintic iteration's spread, as its docstring states), times
