@@ -32,20 +32,30 @@ from data.shards import DataError, count_samples, iter_samples
 IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
 
 
-def decode(sample: dict, num_labels: int | None = None):
-    """(PIL image, label) from a raw sample; raises on a corrupt image or a missing, malformed or out-of-range label
-    (outside [0, num_labels) where it is given)."""
+def _open(data: bytes) -> Image.Image:
+    """A PIL image decoded whole (a truncated or corrupt file raises here, not later in a transform)."""
+    img = Image.open(io.BytesIO(data))
+    img.load()
+    return img
+
+
+def _image_key(sample: dict) -> str:
     ext = next((k for k in IMAGE_KEYS if k in sample), None)
     if ext is None:
         raise ValueError(f"no image ({', '.join(IMAGE_KEYS)})")
+    return ext
+
+
+def decode(sample: dict, num_labels: int | None = None):
+    """(PIL image, label) from a raw sample; raises on a corrupt image or a missing, malformed or out-of-range label
+    (outside [0, num_labels) where it is given)."""
+    ext = _image_key(sample)
     if "cls" not in sample:
         raise ValueError("no label (cls)")
     label = int(sample["cls"])
     if label < 0 or (num_labels is not None and label >= num_labels):
         raise ValueError(f"label {label} outside [0, {num_labels if num_labels is not None else 'inf'}) (num_labels)")
-    img = Image.open(io.BytesIO(sample[ext]))
-    img.load()
-    return img, label
+    return _open(sample[ext]), label
 
 
 MASK_KEY = "seg.png"  # a segmentation sample's label map: one 8-bit channel, a class index per pixel
@@ -57,14 +67,10 @@ def decode_segmentation(sample: dict, num_labels: int | None = None):
     mask of another size than its image, or a mask value outside [0, num_labels) other than IGNORE_INDEX."""
     import numpy as np
 
-    ext = next((k for k in IMAGE_KEYS if k in sample), None)
-    if ext is None:
-        raise ValueError(f"no image ({', '.join(IMAGE_KEYS)})")
+    ext = _image_key(sample)
     if MASK_KEY not in sample:
         raise ValueError(f"no mask ({MASK_KEY}): not a segmentation sample")
-    img, mask = Image.open(io.BytesIO(sample[ext])), Image.open(io.BytesIO(sample[MASK_KEY]))
-    img.load()
-    mask.load()
+    img, mask = _open(sample[ext]), _open(sample[MASK_KEY])
     if mask.mode not in ("L", "P"):
         raise ValueError(f"mask mode {mask.mode}: a mask holds one 8-bit channel of class indices (L or P)")
     if mask.size != img.size:

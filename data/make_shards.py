@@ -80,6 +80,11 @@ def digits_seg_items():
     return items, ["background"] + [str(c) for c in digits.target_names]
 
 
+def _key(relative_path: str) -> str:
+    """A sample's `__key__` from its file's path below the source: no dots or slashes (WebDataset splits on them)."""
+    return os.path.splitext(relative_path)[0].replace("/", "_").replace(".", "_")
+
+
 def _png(array) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(array, mode="L").save(buf, format="PNG")
@@ -102,7 +107,7 @@ def pair_items(root: str):
             mask = os.path.join(annotations, os.path.splitext(rel)[0] + ".png")
             first = rel.split(os.sep)[0] if os.sep in rel else ""
             split = {"training": "train", "train": "train", "validation": "val", "val": "val"}.get(first)
-            key = os.path.splitext(rel)[0].replace("/", "_").replace(".", "_")
+            key = _key(rel)
             items.append((key, os.path.join(images, rel), mask if os.path.isfile(mask) else None, split))
     names_file = os.path.join(root, "classes.txt")
     if os.path.isfile(names_file):
@@ -147,7 +152,7 @@ def folder_items(root: str):
             for f in sorted(files):
                 if f.lower().endswith(IMAGE_SUFFIXES):
                     path = os.path.join(dirpath, f)
-                    key = os.path.splitext(os.path.relpath(path, root))[0].replace("/", "_").replace(".", "_")
+                    key = _key(os.path.relpath(path, root))
                     items.append((key, path, label))  # a path: read in the worker processes
     return items, classes
 
