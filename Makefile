@@ -18,7 +18,7 @@ train: $(VENV)/.installed data
 test: $(VENV)/.installed data
 	$(PY) -m pytest -q tests
 
-data: data/digits/_info.json
+data: data/digits/_info.json data/digits-seg/_info.json
 
 # the GPU machine (benchmarks/device/): .whl/, the packages it lacks; the rehearsal of its stack on this CPU
 wheels: $(VENV)/.installed
@@ -35,5 +35,8 @@ $(VENV)/.installed: requirements.txt
 data/digits/_info.json: $(VENV)/.installed data/make_shards.py
 	$(PY) data/make_shards.py digits data/digits
 
+data/digits-seg/_info.json: $(VENV)/.installed data/make_shards.py
+	$(PY) data/make_shards.py digits-seg data/digits-seg
+
 clean:
-	rm -rf $(VENV) .venv-device .whl data/digits runs
+	rm -rf $(VENV) .venv-device .whl data/digits data/digits-seg runs

@@ -19,11 +19,14 @@ class ConfigError(ValueError):
 
 @dataclass
 class Config:
-    # model
+    # task and model
+    task: str = "classification"  # classification | mae (masked-autoencoder pretraining, ViT) | simmim (masked-image pretraining, ViT or Swin) | segmentation (UperNet over a Swin; image/mask shards) (models/tasks.py)
     model: str = "vit-digits"  # registry name (see models/registry.py) or a local Hugging Face directory
-    num_labels: int = 10  # classifier classes; the head is re-initialised when a local model has another count
+    num_labels: int = 10  # classes (segmentation: with the background, if it is one); the head is re-initialised when a local model has another count
     image_size: int = 16  # input resolution (square); the model's positional embeddings follow it
     patch_size: int = 0  # 0 = the registry size's own patch size
+    mask_ratio: float = 0.75  # mae and simmim: the fraction of patches masked (MAE: 0.75; SimMIM: 0.6)
+    mask_patch_size: int = 32  # simmim: the side in pixels of the square blocks masked whole, a multiple of the patch size that divides image_size (SimMIM: 32)
     drop_path: float = 0.0  # stochastic depth: the last block's drop rate, rising linearly from 0 (DeiT-B 0.1, Swin-B 0.5)
     # fine-tuning
     freeze: str = ""  # parameters not trained: "backbone" (all but the classifier: a linear probe) or comma-separated name patterns (fnmatch)
@@ -73,7 +76,7 @@ class Config:
     output_dir: str = "runs/digits-vit"  # run directory: config, metrics.jsonl, TensorBoard, checkpoints, hf_model/
     seed: int = 0  # seeds the initial weights (per module, the same for any world size) and the data order
     keep_last: int = 3  # complete checkpoints kept, newest first; 0 = all
-    keep_best: bool = True  # also keep the checkpoint with the best val top-1 (steps that save and evaluate)
+    keep_best: bool = True  # also keep the checkpoint with the best evaluation (val top-1; pretraining: val loss) among those that save and evaluate
     min_free_gb: float = 0.0  # skip a checkpoint (with a warning, training goes on) that would leave less free disk than this
     preempt_grace: float = 25.0  # seconds from SIGTERM/SIGUSR1 to exit: the step finishes and a checkpoint is written (launchers kill at 30)
     resume: str = ""  # "" = fresh run, "latest" = newest checkpoint in output_dir, or a checkpoint directory
@@ -81,7 +84,7 @@ class Config:
 
 
 KEYS = {f.name: f for f in dataclasses.fields(Config)}
-CHOICES = {"optimizer": ("adamw", "muon"), "zero_stage": (1, 2, 3), "precision": ("fp32", "bf16", "fp16", "auto"), "data_mode": ("epoch", "resampled")}
+CHOICES = {"task": ("classification", "mae", "simmim", "segmentation"), "optimizer": ("adamw", "muon"), "zero_stage": (1, 2, 3), "precision": ("fp32", "bf16", "fp16", "auto"), "data_mode": ("epoch", "resampled")}
 
 
 def _coerce(key: str, value, from_cli: bool):
@@ -234,6 +237,12 @@ def _check(cfg: Config):
     for key in ("dist_timeout", "preempt_grace"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"config key '{key}' must be positive, got {getattr(cfg, key)}")
+    if not 0 < cfg.mask_ratio < 1 or cfg.mask_patch_size <= 0:
+        raise ConfigError(f"mask_ratio must be in (0, 1) and mask_patch_size positive, got {cfg.mask_ratio} and "
+                          f"{cfg.mask_patch_size}")
+    if cfg.task != "classification" and cfg.tp_size > 1:
+        raise ConfigError(f"task {cfg.task} with tp_size > 1: tensor parallelism splits the classifiers' blocks; "
+                          f"use tp_size 1")
     if not 0 <= cfg.drop_path < 1:
         raise ConfigError(f"config key 'drop_path' must be in [0, 1), got {cfg.drop_path}")
     if not 0 < cfg.layer_decay <= 1:

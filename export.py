@@ -40,8 +40,6 @@ def export(checkpoint: str, out: str, dtype: str = "fp32", log=print):
     state = json.load(open(state_file)) if os.path.isfile(state_file) else {}
     tp_size = state.get("tp_size", 1)
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
-    from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_state_dict
-
     partial = out + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
     shutil.copytree(hf_config, partial)
@@ -50,8 +48,7 @@ def export(checkpoint: str, out: str, dtype: str = "fp32", log=print):
         if tp_size > 1:
             merge_tensor_parallel(checkpoint, tp_size, hf_config, partial, torch_dtype, state.get("zero_stage"))
         else:
-            convert_zero_checkpoint_to_state_dict(ckpt_dir, partial, dtype=torch_dtype, max_shard_size=MAX_SHARD,
-                                                  safe_serialization=True, tag=tag)
+            merge_data_parallel(checkpoint, partial, torch_dtype, state.get("zero_stage"))
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
@@ -66,8 +63,6 @@ def merge_tensor_parallel(checkpoint: str, tp_size: int, hf_config: str, out: st
     import tempfile
 
     import torch
-    from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForImageClassification
 
     from engine.tensor_parallel import block_linears, unshard
@@ -85,16 +80,44 @@ def merge_tensor_parallel(checkpoint: str, tp_size: int, hf_config: str, out: st
         if missing:
             raise ValueError(f"{checkpoint} does not hold the weights of the model in {hf_config} (missing: "
                              f"{', '.join(sorted(missing)[:3])})")
-        empty = {k: torch.empty(v.shape, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in full.items()}
-        files = split_torch_state_dict_into_shards(empty, filename_pattern="model{suffix}.safetensors",
-                                                   max_shard_size=MAX_SHARD)
-        for filename, names in files.filename_to_tensors.items():
-            tensors = {}
-            for name in names:
-                whole = unshard(name, [s[name].contiguous() for s in shards], full[name].shape)
-                tensors[name] = whole.to(dtype) if whole.is_floating_point() else whole
-            save_file(tensors, os.path.join(out, filename), metadata={"format": "pt"})
-            del tensors
+        write_safetensors(full, lambda name: unshard(name, [s[name].contiguous() for s in shards], full[name].shape),
+                          out, dtype)
+
+
+def merge_data_parallel(checkpoint: str, out: str, dtype, zero_stage):
+    """The fp32 master weights merged over ZeRO's partitions by DeepSpeed's `zero_to_fp32` (lazily: nothing read
+    yet), written one safetensors shard at a time. ZeRO-1 saves no frozen parameter beside the optimizer's state
+    (DeepSpeed saves them with ZeRO-2 and 3): those come from the module's own copy in its model states."""
+    import torch
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    ckpt_dir, tag = os.path.split(checkpoint)
+    state = get_fp32_state_dict_from_zero_checkpoint(ckpt_dir, tag, lazy_mode=True)
+    if zero_stage == 1:
+        module = torch.load(os.path.join(checkpoint, "mp_rank_00_model_states.pt"), map_location="cpu", mmap=True,
+                            weights_only=False)["module"]  # mapped: only the tensors taken are read
+        state.update({name: tensor for name, tensor in module.items() if name not in state})
+    write_safetensors(state, lambda name: state[name].contiguous(), out, dtype)
+
+
+def write_safetensors(shapes: dict, tensor, out: str, dtype):
+    """The weights `shapes` names ({name: anything with .shape and .dtype}), each read by `tensor(name)` and cast to
+    `dtype` when floating, as model.safetensors or model-0000i-of-0000n.safetensors shards of at most MAX_SHARD with
+    their index, one shard in memory at a time."""
+    import torch
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    empty = {k: torch.empty(v.shape, dtype=dtype if v.dtype.is_floating_point else v.dtype) for k, v in shapes.items()}
+    files = split_torch_state_dict_into_shards(empty, filename_pattern="model{suffix}.safetensors",
+                                               max_shard_size=MAX_SHARD)
+    for filename, names in files.filename_to_tensors.items():
+        tensors = {}
+        for name in names:
+            whole = tensor(name)
+            tensors[name] = whole.to(dtype) if whole.is_floating_point() else whole
+        save_file(tensors, os.path.join(out, filename), metadata={"format": "pt"})
+        del tensors
     if files.is_sharded:
         with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": files.metadata, "weight_map": files.tensor_to_filename}, f, indent=2)

@@ -1,4 +1,5 @@
-"""Train a Hugging Face ViT or Swin image classifier with DeepSpeed ZeRO stage 1, 2 or 3.
+"""Train a Hugging Face ViT or Swin with DeepSpeed ZeRO stage 1, 2 or 3: an image classifier, or masked-image
+pretraining (`--task mae`, `--task simmim`).
 
     deepspeed --num_gpus 2 train.py --config configs/digits-vit.yaml    # CPU: 2 ranks, gloo; GPU: NCCL
     deepspeed train.py --config my-recipe.yaml --model vit-base          # every GPU of this node
@@ -8,7 +9,8 @@
 
 Every config key, its default and meaning is in config.py; `--key value` overrides the recipe.
 The run directory receives config.yaml, ds_config.json, ac_plan.json, hf_config/, metrics.jsonl, TensorBoard events
-(tb/), DeepSpeed checkpoints (checkpoints/) and, at the end, hf_model/ for `transformers.pipeline`.
+(tb/), DeepSpeed checkpoints (checkpoints/) and, at the end, hf_model/ for `transformers.pipeline` (with task mae
+also encoder/, which `--model` loads as a classifier to fine-tune).
 """
 import contextlib
 import functools
@@ -26,10 +28,11 @@ import torch.nn.functional as F
 
 from ac.policies import check_policy
 from config import Config, ConfigError, parse
-from data.loader import (ShardStream, TrainLoader, check_labels, check_streams, eval_batches, merge_states,
-                         resume_state)
+from data.loader import (ShardStream, TrainLoader, check_labels, check_masks, check_streams, eval_batches,
+                         merge_states, resume_state)
 from data.shards import DataError, parse_spec
-from data.transforms import EvalTransform, Normalize, TrainTransform, mix_batch
+from data.transforms import (EvalTransform, Normalize, SegEvalTransform, SegTrainTransform, TrainTransform,
+                             mix_batch)
 from engine import compat
 from engine.checkpoint import (Resume, check_same_model, describe_load_error, find_resume, remove_interrupted, save,
                                to_universal)
@@ -46,8 +49,9 @@ from engine.preemption import EXIT_PREEMPTED, Preemption
 from engine.runlog import RunLog
 from engine.tensor_parallel import check_tp, layout
 from engine.timing import clock
-from models import model_config
-from models.registry import check_weight_files, meta_model
+from data.masking import masked_inputs
+from models.registry import check_weight_files
+from models.tasks import meta_model, run_config
 
 # a resumed run whose data layout changed starts a fresh data order, seeded by the seed and the step
 RESEED_STRIDE = 1_000_003
@@ -84,10 +88,11 @@ def check_run(cfg: Config, world_size: int, rank: int) -> Checked:
     names = train_sources[0].class_names
     if names is not None and len(names) != cfg.num_labels:
         raise ConfigError(f"num_labels is {cfg.num_labels} but the train shards' _info.json lists {len(names)} classes")
-    check_labels(train_sources, cfg.num_labels, "train_shards")
-    check_labels(val_sources, cfg.num_labels, "val_shards")
-    # an unknown model name raises here, with the list of known ones; a contradicting DeepSpeed JSON below
-    defined = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size)
+    check = check_masks if cfg.task == "segmentation" else check_labels  # MAE and SimMIM read labelled shards too
+    check(train_sources, cfg.num_labels, "train_shards")
+    check(val_sources, cfg.num_labels, "val_shards")
+    # an unknown model name or a task it cannot do raises here; a contradicting DeepSpeed JSON below
+    defined = run_config(cfg)[0]
     check_tp(defined, cfg.tp_size, world_size, ranks_per_node())
     if os.path.isdir(cfg.model):  # a cut-off copy of its weights fails here, by name, not inside transformers
         check_weight_files(cfg.model)
@@ -296,15 +301,18 @@ def build_data(run: Run, model: Model, start: Start) -> Data:
     """Every rank and worker reads its own deterministic slice; a checkpoint's data position makes a resumed run
     read exactly what the uninterrupted run would have read next."""
     cfg, processor = run.cfg, model.processor
+    segmentation = cfg.task == "segmentation"  # (image, mask) samples, transformed together
+    train_transform, eval_transform = (SegTrainTransform, SegEvalTransform) if segmentation else \
+        (TrainTransform, EvalTransform)
     train_stream = ShardStream(
         run.checked.train_sources, mode=cfg.data_mode, rank=run.data_rank, world_size=run.data_ranks,
         num_workers=cfg.num_workers, micro_batch_size=cfg.micro_batch_size, shuffle_buffer=cfg.shuffle_buffer,
         grad_accum_steps=cfg.grad_accum_steps, streams=start.data_streams,
         seed=cfg.seed if start.data_state or not start.step else cfg.seed * RESEED_STRIDE + start.step,
-        transform=TrainTransform(processor, cfg.crop_scale_min, cfg.hflip, cfg.randaug_n, cfg.randaug_m),
-        state=start.data_state, num_labels=cfg.num_labels)
-    val_batches = functools.partial(eval_batches, run.checked.val_sources, EvalTransform(processor),
-                                    cfg.micro_batch_size, run.data_rank, run.data_ranks, cfg.num_labels)
+        transform=train_transform(processor, cfg.crop_scale_min, cfg.hflip, cfg.randaug_n, cfg.randaug_m),
+        state=start.data_state, num_labels=cfg.num_labels, task=cfg.task)
+    val_batches = functools.partial(eval_batches, run.checked.val_sources, eval_transform(processor),
+                                    cfg.micro_batch_size, run.data_rank, run.data_ranks, cfg.num_labels, cfg.task)
     return Data(TrainLoader(train_stream, cfg.num_workers), train_stream.batches_per_rank_epoch(),
                 Normalize(processor), val_batches)
 
@@ -346,14 +354,20 @@ def train_step(run: Run, model: Model, data: Data, step: int) -> tuple[torch.Ten
         skipped, padded = skipped + meta["skipped"], padded + meta["padded"]
         images = data.normalize(images.to(device, non_blocking=True))  # uint8 from the loader: a quarter of the bytes
         labels = labels.to(device, non_blocking=True)
-        # mixing, dropout and stochastic depth draw from the seed, the step and the micro-batch's slot in the
-        # step, so that they are the same for any number of ranks and across resumes
-        slot_seed = hash((cfg.seed, step, run.data_rank * cfg.grad_accum_steps + micro)) % 2**63
-        mix_rng = torch.Generator().manual_seed(slot_seed)
+        # mixing, masking, dropout and stochastic depth draw from the seed, the step and the micro-batch's slot in
+        # the step, so that they are the same for any number of ranks and across resumes
+        slot = run.data_rank * cfg.grad_accum_steps + micro
+        slot_seed = hash((cfg.seed, step, slot)) % 2**63
         torch.manual_seed(slot_seed)
-        images, targets = mix_batch(images, labels, cfg.num_labels, cfg.mixup, cfg.cutmix, mix_rng)
-        logits = engine(images.to(model.dtype)).logits.float()  # (B, num_labels)
-        loss = F.cross_entropy(logits, targets, label_smoothing=cfg.label_smoothing)
+        if cfg.task == "classification":
+            mix_rng = torch.Generator().manual_seed(slot_seed)
+            images, targets = mix_batch(images, labels, cfg.num_labels, cfg.mixup, cfg.cutmix, mix_rng)
+            logits = engine(images.to(model.dtype)).logits.float()  # (B, num_labels)
+            loss = F.cross_entropy(logits, targets, label_smoothing=cfg.label_smoothing)
+        elif cfg.task == "segmentation":  # UperNet's cross-entropy over the pixels not IGNORE_INDEX, at full size
+            loss = engine(images.to(model.dtype), labels=labels).loss.float()
+        else:  # the model's own loss: MAE's on normalised pixels, SimMIM's L1, both on the masked patches only
+            loss = engine(**masked_inputs(cfg, engine.module.config, images.to(model.dtype), step, slot)).loss.float()
         engine.backward(loss)  # DeepSpeed divides by grad_accum_steps
         engine.step()  # optimizer and LR schedule advance only at the accumulation boundary
         loss_sum += loss.detach().double()
@@ -413,8 +427,8 @@ def train(run: Run, model: Model, start: Start, data: Data, log: RunLog) -> Trai
             trained.timed_seconds += closed.seconds
         log_steps(run, model, data, ema, trained, closed, log, evaluate_last=evaluating and not closed.preempted)
         if closed.preempted or saving:
-            top1 = trained.result.top1 if evaluating and not closed.preempted else None
-            saved = save_checkpoint(run, model, data, ema, step, top1, log)
+            score = trained.result.score if evaluating and not closed.preempted else None
+            saved = save_checkpoint(run, model, data, ema, step, score, log)
         if closed.preempted:
             log.close()
             if run.rank == 0:
@@ -432,8 +446,7 @@ def train(run: Run, model: Model, start: Start, data: Data, log: RunLog) -> Trai
         interval = Interval(device, time.perf_counter())
     log.end_progress()
     if trained.result is None:  # resumed at max_steps: nothing left to train, still report the model's accuracy
-        trained.result = evaluate(engine, data.val_batches(), data.normalize, model.dtype, device, cfg.num_labels,
-                                  cfg.tp_size)
+        evaluate_now(run, model, data, None, trained)
     return trained
 
 
@@ -459,9 +472,9 @@ def log_steps(run: Run, model: Model, data: Data, ema: EMA | None, trained: Trai
         if evaluate_last and r is closed.records[-1]:
             run.heartbeat.beat(f"step {r.step}, evaluating")
             evaluate_now(run, model, data, ema, trained)
-            record.update(val_top1=trained.result.top1, val_top5=trained.result.top5)
+            record.update({f"val_{k}": v for k, v in trained.result.metrics.items()})
             if ema:
-                record.update(val_ema_top1=trained.ema_result.top1, val_ema_top5=trained.ema_result.top5)
+                record.update({f"val_ema_{k}": v for k, v in trained.ema_result.metrics.items()})
             log.evaluation(r.step, trained.result, trained.ema_result)
         log.record(record)
         if trained.bad_in_a_row >= cfg.max_bad_steps:  # every rank sees the same all-reduced loss and skipped step
@@ -477,21 +490,22 @@ def log_steps(run: Run, model: Model, data: Data, ema: EMA | None, trained: Trai
 
 def evaluate_now(run: Run, model: Model, data: Data, ema: EMA | None, trained: Trained):
     """The live weights on the whole validation set, then (with an EMA) the averaged ones."""
-    args = (data.normalize, model.dtype, run.device, run.cfg.num_labels, run.cfg.tp_size)
+    args = (data.normalize, model.dtype, run.device, run.cfg, run.data_rank, run.data_ranks)
     trained.result = evaluate(model.engine, data.val_batches(), *args)
     if ema:
         with ema.swapped(model.engine):
             trained.ema_result = evaluate(model.engine, data.val_batches(), *args)
 
 
-def save_checkpoint(run: Run, model: Model, data: Data, ema: EMA | None, step: int, val_top1, log: RunLog) -> bool:
-    """Every rank's part of checkpoint `step`, with the data position of every rank and worker."""
+def save_checkpoint(run: Run, model: Model, data: Data, ema: EMA | None, step: int, val_score, log: RunLog) -> bool:
+    """Every rank's part of checkpoint `step`, with the data position of every rank and worker; `val_score`: the
+    evaluation's score at this step (higher is better: keep_best), or None."""
     cfg = run.cfg
     run.heartbeat.beat(f"step {step}, saving")
     positions = [None] * run.world_size
     dist.all_gather_object(positions, data.train_batches.state_dict())
     state = {"step": step, "world_size": run.world_size, "zero_stage": cfg.zero_stage, "tp_size": cfg.tp_size,
-             "val_top1": val_top1, "data": merge_states(positions), "param_shapes": run.checked.param_shapes}
+             "val_score": val_score, "data": merge_states(positions), "param_shapes": run.checked.param_shapes}
     # the first checkpoint's size, for the disk check: weights in the model's precision, the fp32 master copy and
     # Adam's two moments (later checks use the newest checkpoint's real size)
     estimate = model.n_params * (model.dtype.itemsize + 12)
@@ -504,8 +518,9 @@ def finish(run: Run, model: Model, start: Start, trained: Trained, log: RunLog):
     """The model as a Hugging Face directory (the EMA's weights with export_ema), summary.json and the last line."""
     cfg = run.cfg
     hf_dir = os.path.join(cfg.output_dir, "hf_model")
+    encoder_dir = os.path.join(cfg.output_dir, "encoder") if cfg.task == "mae" else ""  # what fine-tuning loads
     with start.ema.swapped(model.engine) if cfg.export_ema else contextlib.nullcontext():
-        exported = export_hf_model(model.engine, model.processor, hf_dir, run.rank)
+        exported = export_hf_model(model.engine, model.processor, hf_dir, run.rank, encoder_dir)
     if not exported:
         exit_distributed(EXIT_NONFINITE)
     log.close()
@@ -513,14 +528,15 @@ def finish(run: Run, model: Model, start: Start, trained: Trained, log: RunLog):
     seconds = trained.timed_seconds
     elapsed = time.perf_counter() - trained.started
     minutes, secs = divmod(int(elapsed), 60)
-    summary = {"step": cfg.max_steps, "val_top1": result.top1, "val_top5": result.top5,
-               "val_ema_top1": ema_result.top1 if ema_result else None,
+    summary = {"step": cfg.max_steps, "task": cfg.task, **{f"val_{k}": v for k, v in result.metrics.items()},
+               **{f"val_ema_{k}": v for k, v in (ema_result.metrics if ema_result else {}).items()},
                "images_per_sec": trained.timed_images / seconds if seconds else None,
                "steps_this_launch": cfg.max_steps - start.step, "seconds_this_launch": round(elapsed, 1),
-               "hf_model": hf_dir, "hf_model_weights": "ema" if cfg.export_ema else "live", "labels": log.labels,
-               "confusion": result.confusion.long().tolist()}  # rows true, columns predicted
+               "hf_model": hf_dir, **({"encoder": encoder_dir} if encoder_dir else {}), "hf_model_weights": "ema" if cfg.export_ema else "live", "labels": log.labels,
+               # a classifier's: rows true, columns predicted
+               "confusion": result.confusion.long().tolist() if result.confusion is not None else None}
     throughput = f"{trained.timed_images / seconds:.0f}" if seconds else "n/a"
-    log.summary(summary, f"done: val top-1 {result.top1:.2%} (top-5 {result.top5:.2%}) | {throughput} images/s | "
+    log.summary(summary, f"done: val {result.describe()} | {throughput} images/s | "
                          f"{cfg.max_steps - start.step} steps in {minutes}m{secs:02d}s | "
                          f"{'EMA model' if cfg.export_ema else 'model'} saved to {hf_dir}")
     exit_distributed(0)  # everything is written and closed: skips a gloo abort at interpreter exit (see there)

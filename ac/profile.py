@@ -8,7 +8,7 @@ import torch
 from engine import compat
 from engine.tensor_parallel import shard_like_autotp
 from models.blocks import find_blocks
-from models.registry import meta_model
+from models.tasks import meta_model
 
 aten = torch.ops.aten
 TO_COPY, UNSAFE_VIEW = compat.internal_copy_and_view_ops()

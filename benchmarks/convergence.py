@@ -82,11 +82,11 @@ def fsdp2_worker(argv):
             log.write(json.dumps({"step": step, "loss": loss.item() / world_size}) + "\n")
     seconds = time.perf_counter() - start
     val = lambda: eval_batches(val_sources, EvalTransform(processor), cfg.micro_batch_size, rank, world_size)  # noqa: E731
-    result = evaluate(step_fn.model, val(), normalize, torch.float32, device, cfg.num_labels)
+    result = evaluate(step_fn.model, val(), normalize, torch.float32, device, cfg, rank, world_size)
     if log:
         log.close()
         with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
-            json.dump({"step": cfg.max_steps, "val_top1": result.top1, "val_top5": result.top5,
+            json.dump({"step": cfg.max_steps, "val_top1": result.metrics["top1"], "val_top5": result.metrics["top5"],
                        "images_per_sec": cfg.max_steps * cfg.micro_batch_size * world_size / seconds}, f)
     exit_distributed(0)
 

@@ -236,9 +236,10 @@ def encode(item, resize: int, fmt: str):
         return key, None, None, None, f"{type(e).__name__}: {e}"
 
 
-def encode_pair(item, resize: int, fmt: str):
+def encode_pair(item, resize: int, fmt: str, reduce_zero_label: bool = False):
     """A segmentation pair: (key, ext, image bytes, mask PNG bytes, None) or (key, None, None, None, reason). The
-    mask is stored as an 8-bit single-channel PNG, resized with nearest-neighbour alongside the image."""
+    mask is stored as an 8-bit single-channel PNG, resized with nearest-neighbour alongside the image.
+    `reduce_zero_label`: value 0 (ADE20K's "other") becomes the ignore index and every other value v becomes v - 1."""
     key, payload, mask_payload = item
     if mask_payload is None:
         return key, None, None, None, "no mask beside the image"
@@ -251,6 +252,8 @@ def encode_pair(item, resize: int, fmt: str):
             mask.load()
             if mask.mode not in ("L", "P"):
                 raise ValueError(f"mask mode {mask.mode}: a mask holds one 8-bit channel of class indices")
+            if reduce_zero_label:
+                mask = mask.convert("L").point(lambda v: IGNORE_INDEX if v in (0, IGNORE_INDEX) else v - 1)
             if resize:
                 mask = mask.resize(img.size, Image.NEAREST)
             elif mask.size != img.size:
@@ -271,12 +274,12 @@ def _encode_pair_star(args):
 
 
 def write_split(out_dir: str, split: str, items, class_names, shard_size: int, resize: int, fmt: str,
-                workers: int, bad: list, segmentation: bool = False):
+                workers: int, bad: list, segmentation: bool = False, reduce_zero_label: bool = False):
     """Write one split's shards in item order; returns its `_info.json` entry. A classification sample holds
     the image, `cls` and `txt`; a segmentation one the image and its mask (`seg.png`)."""
     pattern = os.path.join(out_dir, f"{split}-%06d.tar")
     lengths = []
-    jobs = ((item, resize, fmt) for item in items)
+    jobs = ((item, resize, fmt, reduce_zero_label) if segmentation else (item, resize, fmt) for item in items)
     with mp.Pool(workers) if workers > 1 else _Serial() as pool, \
             wds.ShardWriter(pattern, maxcount=shard_size, verbose=0) as sink:
         results = pool.imap(_encode_pair_star if segmentation else _encode_star, jobs, chunksize=16)
@@ -321,6 +324,8 @@ def main(argv=None):
     ap.add_argument("--label-column", default="label", help="label column of a Hugging Face dataset")
     ap.add_argument("--mask-column", default=None,
                     help="segmentation: the mask column of a Hugging Face dataset (writes image/mask shards)")
+    ap.add_argument("--reduce-zero-label", action="store_true",
+                    help="segmentation: mask value 0 is ignored (255) and v becomes v - 1 (ADE20K's 'other' is 0)")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="encoding processes")
     args = ap.parse_args(argv)
 
@@ -347,6 +352,10 @@ def main(argv=None):
         items, class_names, name = *folder_items(args.src), os.path.basename(os.path.normpath(args.src))
     if not items:
         sys.exit(f"error: no images found in '{args.src}'")
+    if args.reduce_zero_label and not segmentation:
+        sys.exit("error: --reduce-zero-label applies to segmentation masks only")
+    if args.reduce_zero_label and class_names and class_names[0] == "0":  # numbered from the values found
+        class_names = [str(i) for i in range(len(class_names) - 1)]
 
     random.Random(args.seed).shuffle(items)  # shards hold a mix of classes, so any shard is a fair sample
     if args.split:
@@ -369,7 +378,8 @@ def main(argv=None):
     bad = []
     for split, split_items in splits.items():
         info["splits"][split] = write_split(args.out, split, split_items, class_names, args.shard_size,
-                                            args.resize, args.format, args.workers, bad, segmentation)
+                                            args.resize, args.format, args.workers, bad, segmentation,
+                                            args.reduce_zero_label)
     tmp = info_path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(info, f, indent=1)

@@ -39,3 +39,16 @@ def simmim_mask(seed: int, step: int, slot: int, batch: int, image_size: int, pa
     masked.scatter_(1, order[:, :count], True)
     grid = masked.view(batch, blocks, blocks).repeat_interleave(scale, 1).repeat_interleave(scale, 2)
     return grid.reshape(batch, -1)
+
+
+def masked_inputs(cfg, config, images: torch.Tensor, step: int, slot: int) -> dict:
+    """The model's keyword inputs for `cfg.task` (a train.py config) on `images` (B, 3, H, W): with MAE's noise or
+    SimMIM's mask of micro-batch (step, slot), on the images' device. `config`: the model's transformers config."""
+    batch, side = len(images), images.shape[-1]
+    if cfg.task == "mae":
+        noise = mae_noise(cfg.seed, step, slot, batch, (side // config.patch_size) ** 2)
+        return {"pixel_values": images, "noise": noise.to(images.device, non_blocking=True)}
+    if cfg.task == "simmim":
+        mask = simmim_mask(cfg.seed, step, slot, batch, side, config.patch_size, cfg.mask_patch_size, cfg.mask_ratio)
+        return {"pixel_values": images, "bool_masked_pos": mask.to(images.device, non_blocking=True)}
+    return {"pixel_values": images}

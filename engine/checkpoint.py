@@ -284,15 +284,16 @@ def write_failure(e: Exception, ckpt_dir: str) -> str:
 
 
 def prune(ckpt_dir: str, keep_last: int, keep_best: bool, log=print):
-    """Delete complete checkpoints beyond the newest `keep_last` (0: keep all), sparing the best by val top-1."""
+    """Delete complete checkpoints beyond the newest `keep_last` (0: keep all), sparing the best by its evaluation's
+    score (train_state.json's val_score: val top-1, or minus the val loss; val_top1 in older checkpoints)."""
     complete = complete_checkpoints(ckpt_dir)
     if not keep_last or len(complete) <= keep_last:
         return
     keep = {tag for _, tag in complete[-keep_last:]}
     if keep_best:
-        scored = [(json.load(open(os.path.join(ckpt_dir, tag, STATE_FILE))).get("val_top1"), tag)
-                  for _, tag in complete]
-        scored = [(top1, tag) for top1, tag in scored if top1 is not None]
+        states = [(json.load(open(os.path.join(ckpt_dir, tag, STATE_FILE))), tag) for _, tag in complete]
+        scored = [(state.get("val_score", state.get("val_top1")), tag) for state, tag in states]
+        scored = [(score, tag) for score, tag in scored if score is not None]
         if scored:
             keep.add(max(scored)[1])
     for _, tag in complete:

@@ -1,36 +1,74 @@
-"""Evaluation of a training engine on the validation set: top-1, top-5 and the confusion matrix over every rank."""
+"""Evaluation of a training engine on the validation set, reduced over every rank: top-1, top-5 and the confusion
+matrix of a classifier; mean IoU, pixel accuracy and the pixels' confusion matrix of a segmentation model; the
+reconstruction loss of masked-image pretraining, on masks fixed by the batch."""
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from data.loader import IGNORE_INDEX
+from data.masking import masked_inputs
+
+VAL_STEP = -1  # the step the validation masks are drawn for: no training step has it
+
 
 @dataclass
 class Evaluation:
-    top1: float
-    top5: float
-    confusion: torch.Tensor  # (num_labels, num_labels) counts over every rank: rows true, columns predicted
-    shown: tuple  # (images, labels, predictions) of this rank's first images, for the prediction grid
+    metrics: dict  # classification: top1, top5; segmentation: miou, pixel_acc; mae and simmim: loss
+    # (num_labels, num_labels) counts of images (segmentation: pixels) over every rank: rows true, columns predicted
+    confusion: torch.Tensor | None = None
+    shown: tuple | None = None  # (images, labels or masks, predictions) of this rank's first images, for TensorBoard
+
+    @property
+    def score(self) -> float:
+        """Higher is better: what keep_best ranks checkpoints by."""
+        if "top1" in self.metrics or "miou" in self.metrics:
+            return self.metrics.get("top1", self.metrics.get("miou"))
+        return -self.metrics["loss"]
+
+    def describe(self) -> str:
+        if "top1" in self.metrics:
+            return f"top-1 {self.metrics['top1']:.2%} top-5 {self.metrics['top5']:.2%}"
+        if "miou" in self.metrics:
+            return f"mIoU {self.metrics['miou']:.2%} pixel accuracy {self.metrics['pixel_acc']:.2%}"
+        return f"loss {self.metrics['loss']:.4f}"
 
 
-@torch.no_grad()
-def evaluate(engine, loader, normalize, dtype, device, num_labels: int, copies: int = 1) -> Evaluation:
-    """Top-1, top-5 and the confusion matrix over the whole validation set, reduced over ranks. The loader's
-    uint8 images are normalised on the device (`normalize`). `copies`: the ranks that evaluate each batch together
-    (a tensor group, tp_size), whose counts are the same."""
-    engine.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # correct@1, correct@5, count
-    confusion = torch.zeros(num_labels * num_labels, dtype=torch.float64, device=device)
-    shown = None
-    batches, dummy = iter(loader), None
+def forwards(engine, loader, device):
+    """Each batch of `loader`, then (on a rank that ran out of data) None until every rank has: ZeRO-3 gathers
+    parameters inside each forward, so every rank runs as many forwards as the others, the rank without data on
+    a dummy batch (the caller runs it and counts nothing)."""
+    batches = iter(loader)
     while True:
         batch = next(batches, None)
-        # ZeRO-3 gathers parameters inside each forward, so every rank must run as many forwards as
-        # the others: a rank that ran out of data joins with a dummy batch until all are done.
         more = torch.tensor([batch is not None], dtype=torch.int32, device=device)
         dist.all_reduce(more, op=dist.ReduceOp.MAX)
         if not more.item():
-            break
+            return
+        yield batch
+
+
+@torch.no_grad()
+def evaluate(engine, loader, normalize, dtype, device, cfg, data_rank: int = 0, data_ranks: int = 1) -> Evaluation:
+    """`cfg.task`'s evaluation over the whole validation set. The loader's uint8 images are normalised on the
+    device (`normalize`). The ranks of a tensor group (cfg.tp_size) evaluate the same batches: their counts are
+    divided out. Masks of the pretraining tasks come from (seed, VAL_STEP, the batch's slot among all ranks')."""
+    engine.eval()
+    if cfg.task == "classification":
+        result = _classification(engine, loader, normalize, dtype, device, cfg.num_labels, cfg.tp_size)
+    elif cfg.task == "segmentation":
+        result = _segmentation(engine, loader, normalize, dtype, device, cfg.num_labels)
+    else:
+        result = _reconstruction(engine, loader, normalize, dtype, device, cfg, data_rank, data_ranks)
+    engine.train()
+    return result
+
+
+def _classification(engine, loader, normalize, dtype, device, num_labels, copies) -> Evaluation:
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # correct@1, correct@5, count
+    confusion = torch.zeros(num_labels * num_labels, dtype=torch.float64, device=device)
+    shown = dummy = None
+    for batch in forwards(engine, loader, device):
         if batch is None:
             engine(dummy)
             continue
@@ -48,6 +86,50 @@ def evaluate(engine, loader, normalize, dtype, device, num_labels: int, copies: 
     dist.all_reduce(totals)
     dist.all_reduce(confusion)
     totals, confusion = totals / copies, confusion / copies
-    engine.train()
-    return Evaluation((totals[0] / totals[2]).item(), (totals[1] / totals[2]).item(),
+    return Evaluation({"top1": (totals[0] / totals[2]).item(), "top5": (totals[1] / totals[2]).item()},
                       confusion.view(num_labels, num_labels).cpu(), shown)
+
+
+def _segmentation(engine, loader, normalize, dtype, device, num_labels) -> Evaluation:
+    """The pixels' confusion matrix over every validation image (IGNORE_INDEX pixels left out), and from it each
+    class's IoU, true / (true + predicted - both), averaged over the classes present in either (mIoU), and the
+    pixel accuracy."""
+    confusion = torch.zeros(num_labels * num_labels, dtype=torch.float64, device=device)
+    shown = dummy = None
+    for batch in forwards(engine, loader, device):
+        if batch is None:
+            engine(dummy)
+            continue
+        images, masks = normalize(batch[0].to(device, non_blocking=True)).to(dtype), batch[1].to(device)
+        dummy = images[:1]
+        predicted = engine(images).logits.argmax(1)  # (B, H, W): UperNet's logits are upsampled to the input
+        counted = masks != IGNORE_INDEX
+        confusion += torch.bincount(masks[counted] * num_labels + predicted[counted],
+                                    minlength=num_labels * num_labels).to(confusion)
+        if shown is None:
+            shown = (batch[0][:8], batch[1][:8], predicted[:8].cpu())
+    dist.all_reduce(confusion)
+    confusion = confusion.view(num_labels, num_labels)
+    both, true, predicted = confusion.diagonal(), confusion.sum(1), confusion.sum(0)
+    union = true + predicted - both
+    present = union > 0
+    miou = (both[present] / union[present]).mean().item() if present.any() else 0.0
+    return Evaluation({"miou": miou, "pixel_acc": (both.sum() / confusion.sum().clamp(min=1)).item()},
+                      confusion.cpu(), shown)
+
+
+def _reconstruction(engine, loader, normalize, dtype, device, cfg, data_rank, data_ranks) -> Evaluation:
+    """The pretraining loss averaged over every validation image (each batch's loss weighted by its images)."""
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss x images, images
+    dummy = None
+    for index, batch in enumerate(forwards(engine, loader, device)):
+        if batch is None:
+            engine(**dummy)
+            continue
+        images = normalize(batch[0].to(device, non_blocking=True)).to(dtype)
+        inputs = masked_inputs(cfg, engine.module.config, images, VAL_STEP, index * data_ranks + data_rank)
+        dummy = {k: v[:1] for k, v in inputs.items()}
+        loss = engine(**inputs).loss
+        totals += torch.stack([loss.double() * len(images), torch.tensor(len(images), device=device)]).to(totals)
+    dist.all_reduce(totals)
+    return Evaluation({"loss": (totals[0] / totals[1]).item()})

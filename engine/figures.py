@@ -1,5 +1,6 @@
 """The pictures a run writes to TensorBoard beside its scalars: validation images with their predicted and true
-labels, the confusion matrix of each evaluation, and the activation-checkpointing plan per block."""
+labels (or label maps), the confusion matrix of each evaluation, and the activation-checkpointing plan per
+block."""
 import matplotlib
 
 matplotlib.use("Agg")  # files only, no display; before pyplot is imported
@@ -47,6 +48,35 @@ def confusion(matrix, names):
     ax.set_ylabel("true")
     ax.set_title(f"confusion: {np.trace(counts) / max(counts.sum(), 1):.2%} correct of {int(counts.sum())}")
     fig.tight_layout()
+    return fig
+
+
+def segmentation(images, masks, predicted, names, ignore_index: int):
+    """Rows of validation images, their true label map and the predicted one, in one colour per class (black:
+    ignored pixels), with a legend of the classes shown."""
+    n = len(images)
+    colours = plt.get_cmap("tab20" if len(names) > 10 else "tab10")(np.arange(len(names)) % 20)[:, :3]
+    fig, axes = plt.subplots(n, 3, figsize=(6, 2 * n + 0.6), squeeze=False)
+
+    def paint(labels):
+        labels = np.asarray(labels)
+        out = np.zeros(labels.shape + (3,))
+        known = labels != ignore_index
+        out[known] = colours[np.clip(labels[known], 0, len(names) - 1)]
+        return out
+
+    for i in range(n):
+        for ax, picture, title in zip(axes[i], (images[i].numpy().transpose(1, 2, 0), paint(masks[i]),
+                                                paint(predicted[i])), ("image", "true", "predicted")):
+            ax.imshow(picture, interpolation="nearest")
+            ax.axis("off")
+            if i == 0:
+                ax.set_title(title, fontsize=9)
+    seen = sorted(set(np.unique(np.asarray(masks))) | set(np.unique(np.asarray(predicted))) - {ignore_index})
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colours[c]) for c in seen if c < len(names)]
+    fig.legend(handles, [names[c] for c in seen if c < len(names)], loc="lower center", ncol=min(6, len(handles)),
+               fontsize=7)
+    fig.tight_layout(rect=(0, 0.6 / (2 * n + 0.6), 1, 1))
     return fig
 
 

@@ -10,8 +10,9 @@ import torch.distributed as dist
 from engine import compat
 
 
-def export_hf_model(engine, processor, out_dir: str, rank: int) -> bool:
-    """A Hugging Face directory `pipeline("image-classification", model=out_dir)` loads; False (and nothing
+def export_hf_model(engine, processor, out_dir: str, rank: int, encoder_dir: str = "") -> bool:
+    """A Hugging Face directory `from_pretrained` loads (a classifier's: `pipeline("image-classification",
+    model=out_dir)`), and with `encoder_dir` an MAE model's encoder alone there (`mae_encoder`); False (and nothing
     written) if a weight is not finite."""
     state_dict = full_state_dict(engine, rank)
     bad = [k for k, v in state_dict.items() if v.is_floating_point() and not torch.isfinite(v).all()]
@@ -22,13 +23,16 @@ def export_hf_model(engine, processor, out_dir: str, rank: int) -> bool:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # one shard: a bar says nothing
-        partial = out_dir + ".partial"  # renamed when complete: a kill mid-export leaves the previous export whole
+        partial = out_dir + ".partial"
         shutil.rmtree(partial, ignore_errors=True)
         engine.module.save_pretrained(partial, state_dict=state_dict)
         processor.save_pretrained(partial)
-        if os.path.isdir(out_dir):
-            shutil.rmtree(out_dir)
-        os.rename(partial, out_dir)
+        replace(partial, out_dir)
+        if encoder_dir:
+            shutil.rmtree(encoder_dir + ".partial", ignore_errors=True)
+            mae_encoder(engine.module.config, state_dict).save_pretrained(encoder_dir + ".partial")
+            processor.save_pretrained(encoder_dir + ".partial")
+            replace(encoder_dir + ".partial", encoder_dir)
     exported = [not bad]
     dist.broadcast_object_list(exported, src=0)  # only rank 0 holds the weights
     return exported[0]
@@ -56,3 +60,28 @@ def full_state_dict(engine, rank: int) -> dict:
             if rank == 0:
                 state.update({f"{prefix}.{n}" if prefix else n: p.detach().cpu().clone() for n, p in own.items()})
     return state
+
+
+def replace(partial: str, out_dir: str):
+    """`partial`, written whole, becomes `out_dir`: a kill before this leaves the previous `out_dir` whole."""
+    if os.path.isdir(out_dir):
+        shutil.rmtree(out_dir)
+    os.rename(partial, out_dir)
+
+
+def mae_encoder(config, state_dict: dict):
+    """transformers' ViTModel (no pooler) holding an MAE model's encoder: its patch embedding, class token, fixed
+    sin-cos position embeddings, blocks and final norm, whose names and shapes are ViT's. A classifier loads it
+    (`model: DIR`) with a new head, as MAE's fine-tuning starts (He et al. 2022: there, with global average pooling
+    in place of the class token, which transformers' ViT classifier uses)."""
+    from transformers import ViTConfig, ViTModel
+
+    vit = ViTConfig(hidden_size=config.hidden_size, num_hidden_layers=config.num_hidden_layers,
+                    num_attention_heads=config.num_attention_heads, intermediate_size=config.intermediate_size,
+                    hidden_act=config.hidden_act, layer_norm_eps=config.layer_norm_eps, image_size=config.image_size,
+                    patch_size=config.patch_size, num_channels=config.num_channels, qkv_bias=config.qkv_bias)
+    with torch.device("meta"):
+        model = ViTModel(vit, add_pooling_layer=False)
+    encoder = {k[len("vit."):]: v for k, v in state_dict.items() if k.startswith("vit.")}
+    model.load_state_dict(encoder, strict=True, assign=True)
+    return model

@@ -4,6 +4,7 @@
 in this order, activation checkpointing, ZeRO and torch.compile.
 """
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ from engine.optim import freeze, lr_schedule, param_groups
 from engine.tensor_parallel import layout, rank_params, shard_head_biases, tp_config
 from models import build_model
 from models.blocks import find_blocks
+from models.tasks import build_task_model
 
 
 @dataclass
@@ -44,17 +46,24 @@ def build_training_model(cfg: Config, ds_config: dict, class_names=None, log=Non
     weights are loaded into the partitions, so no rank holds the whole model at any moment. Registry weights
     are initialised module by module with that module's parameters gathered.
     """
-    args = (cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size, class_names)
-    kwargs = dict(seed=cfg.seed, drop_path=cfg.drop_path, log=log)
+    if cfg.task == "classification":
+        build = functools.partial(build_model, cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size, class_names,
+                                  seed=cfg.seed, drop_path=cfg.drop_path, log=log)
+    else:
+        build = functools.partial(build_task_model, cfg.model, cfg.task, cfg.num_labels, cfg.image_size,
+                                  cfg.patch_size, seed=cfg.seed, drop_path=cfg.drop_path, class_names=class_names,
+                                  mask_ratio=cfg.mask_ratio)
     if ds_config["zero_optimization"]["stage"] != 3:
-        model, processor = build_model(*args, **kwargs)
+        model, processor = build()
     else:
         import deepspeed
         from transformers.integrations import HfDeepSpeedConfig
 
         hf_zero3 = HfDeepSpeedConfig(ds_config)  # transformers holds it weakly: it must live through the build
-        model, processor = build_model(*args, **kwargs, gathered=lambda params: deepspeed.zero.GatheredParameters(
-            params, modifier_rank=0), partitioned=lambda: deepspeed.zero.Init(config_dict_or_path=ds_config))
+        extra = {} if cfg.task != "classification" else \
+            dict(partitioned=lambda: deepspeed.zero.Init(config_dict_or_path=ds_config))
+        model, processor = build(gathered=lambda params: deepspeed.zero.GatheredParameters(params, modifier_rank=0),
+                                 **extra)
         whole = [n for n, p in model.named_parameters() if not compat.is_zero3_partitioned(p)]
         if whole:
             raise RuntimeError(f"ZeRO-3: {len(whole)} parameters were not created partitioned, e.g. {whole[0]}")
@@ -72,6 +81,10 @@ def build_engine(model: torch.nn.Module, cfg: Config, world_size: int, device_ty
     """Wrap a freshly built model for training under `cfg`: train.py's path, and every benchmark's.
     `load_universal`: the engine will load a universal checkpoint (one written by another number of ranks)."""
     precision, ds_config = engine_config(cfg, model.config.hidden_size, world_size)
+    if precision != "fp32" and any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        # DeepSpeed casts the parameters to bf16/fp16 and leaves buffers in fp32 unless told: a batch norm (UperNet's)
+        # would meet bf16 weights with fp32 running statistics, which torch's kernels refuse
+        ds_config.setdefault("data_types", {})["buffer_dtype"] = precision
     if load_universal:
         ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
     engine, ac_plan = parallelize(model, cfg, ds_config, world_size, precision, device_type, log)

@@ -30,7 +30,8 @@ class RunLog:
         from tqdm import tqdm
 
         self.on, self.cfg = rank == 0, cfg
-        self.labels = [module.config.id2label[i] for i in range(cfg.num_labels)]
+        labelled = cfg.task in ("classification", "segmentation")
+        self.labels = [module.config.id2label[i] for i in range(cfg.num_labels)] if labelled else []
         self.bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not self.on or not cfg.progress,
                         dynamic_ncols=True, mininterval=1.0 if sys.stderr.isatty() else 30.0)
         if not self.on:
@@ -42,6 +43,7 @@ class RunLog:
             json.dump(ds_config, f, indent=2)
         with open(os.path.join(out, "ac_plan.json"), "w") as f:
             json.dump(ac_plan, f, indent=1)
+        module.config.architectures = [type(module).__name__]  # as save_pretrained records it: the model's class
         module.config.save_pretrained(os.path.join(out, "hf_config"))  # for export.py
         processor.save_pretrained(os.path.join(out, "hf_config"))
         metrics_path = os.path.join(out, "metrics.jsonl")
@@ -74,16 +76,22 @@ class RunLog:
                 self.tb.add_scalar(tag, value, record["step"])
 
     def evaluation(self, step: int, result, ema_result=None):
-        """An evaluation's line above the bar, and its prediction grid and confusion matrix in TensorBoard."""
+        """An evaluation's line above the bar, and a classifier's prediction grid and confusion matrix in
+        TensorBoard."""
         if not self.on:
             return
-        self.bar.write(f"step {step}: val top-1 {result.top1:.2%} top-5 {result.top5:.2%}" + (
-            f" | EMA top-1 {ema_result.top1:.2%} top-5 {ema_result.top5:.2%}" if ema_result else ""))
+        self.bar.write(f"step {step}: val {result.describe()}" + (
+            f" | EMA {ema_result.describe()}" if ema_result else ""))
         from engine import figures
 
-        if result.shown is not None:
+        if result.shown is not None and self.cfg.task == "segmentation":
+            from data.loader import IGNORE_INDEX
+
+            self.tb.add_figure("val/masks", figures.segmentation(*result.shown, self.labels, IGNORE_INDEX), step)
+        elif result.shown is not None:
             self.tb.add_figure("val/predictions", figures.predictions(*result.shown, self.labels), step)
-        self.tb.add_figure("val/confusion", figures.confusion(result.confusion.numpy(), self.labels), step)
+        if result.confusion is not None:
+            self.tb.add_figure("val/confusion", figures.confusion(result.confusion.numpy(), self.labels), step)
 
     def progress(self, loss: float, images_per_sec: float):
         self.bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{images_per_sec:.0f}", refresh=False)

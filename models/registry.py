@@ -38,6 +38,8 @@ VIT_SIZES = {
 # name: (embed_dim, depths, heads, window, patch), from Liu et al. 2021.
 SWIN_SIZES = {
     "swin-debug": (16, (1, 1), (1, 2), 4, 2),
+    # two stages of 16x16 and 8x8 tokens on the 32x32 digits-seg canvases: the segmentation default
+    "swin-digits": (48, (2, 2), (3, 6), 4, 2),
     "swin-tiny": (96, (2, 2, 6, 2), (3, 6, 12, 24), 7, 4),
     "swin-small": (96, (2, 2, 18, 2), (3, 6, 12, 24), 7, 4),
     "swin-base": (128, (2, 2, 18, 2), (4, 8, 16, 32), 7, 4),
@@ -168,13 +170,14 @@ def init_weights(model, seed: int, gathered=None):
     The weights then depend on the seed alone: not on the order modules are built in, the RNG's state, the
     world size, or whether the parameters are partitioned. `gathered(params)`: a context in which a module's
     parameters are whole (ZeRO-3's partitioned ones are gathered there; every rank computes the same values).
+    A module with parameters of its own is initialised with its children's gathered too: some initialise them
+    (ViTMAE's embeddings set their patch projection).
     """
     gathered = gathered or (lambda params: contextlib.nullcontext())
     for name, module in model.named_modules():
-        params = list(module.parameters(recurse=False))
-        if not params:
+        if not list(module.parameters(recurse=False)):
             continue
-        with gathered(params), torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with gathered(list(module.parameters())), torch.no_grad(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(module_seed(seed, name))
             compat.hf_init_module(model, module)
 
@@ -215,11 +218,26 @@ def add_drop_path(model, rate: float):
         block.module.dropout = DropPath(block.module.dropout, rate * block.index / max(1, len(blocks) - 1))
 
 
+def registry_processor(name: str, image_size: int, segmentation: bool = False):
+    """The image processor of a registry model: resize to `image_size`, then mean 0.5 and std 0.5 for a ViT (as
+    Google's checkpoints), ImageNet's mean and std for a Swin (as Microsoft's). `segmentation`: SegFormer's
+    processor, the one transformers' UperNet checkpoints use, whose post-processing turns logits into label maps
+    (pipeline("image-segmentation"))."""
+    mean, std = ((0.5,) * 3, (0.5,) * 3) if name in VIT_SIZES else (IMAGENET_MEAN, IMAGENET_STD)
+    if segmentation:
+        from transformers import SegformerImageProcessorPil
+
+        return SegformerImageProcessorPil(size={"height": image_size, "width": image_size}, image_mean=list(mean),
+                                          image_std=list(std), do_reduce_labels=False)
+    return ViTImageProcessorPil(size={"height": image_size, "width": image_size}, image_mean=list(mean),
+                                image_std=list(std))
+
+
 def build_model(name: str, num_labels: int, image_size: int, patch_size: int = 0, class_names=None, seed: int = 0,
                 gathered=None, partitioned=None, drop_path: float = 0.0, log=None):
     """(model, image_processor). Registry names: initial weights from `seed` alone (`init_weights`); local
     directories and hub ids: their weights, with a new classifier head (from `seed`, logged) when the label count
-    differs. Built through transformers' `_from_config` / `from_pretrained`, which create every parameter
+    differs or the directory holds a backbone without one. Built through transformers' `_from_config` / `from_pretrained`, which create every parameter
     partitioned when a ZeRO-3 `HfDeepSpeedConfig` is alive (engine/parallelize.py); `partitioned()`: the context
     that does the same for a module created here (a new head). transformers' ZeRO-3 loader cannot skip a head
     of another shape, so a pretrained model loads with its own head, which is then replaced."""
@@ -228,17 +246,18 @@ def build_model(name: str, num_labels: int, image_size: int, patch_size: int = 0
         cls = ViTForImageClassification if name in VIT_SIZES else SwinForImageClassification
         model = cls._from_config(config)
         init_weights(model, seed, gathered)
-        mean, std = ((0.5,) * 3, (0.5,) * 3) if name in VIT_SIZES else (IMAGENET_MEAN, IMAGENET_STD)
-        processor = ViTImageProcessorPil(size={"height": image_size, "width": image_size},
-                                         image_mean=list(mean), image_std=list(std))
+        processor = registry_processor(name, image_size)
     else:
         before = pretrained_config(name)  # the directory's own labels, or the cached hub copy's
+        # a backbone (a ViTModel, such as train.py's MAE encoder/) has no classifier: transformers adds one, replaced
+        backbone = bool(before.architectures) and not any(a.endswith("ForImageClassification")
+                                                          for a in before.architectures)
         load_config = config
         if before.num_labels != num_labels:  # loaded with its own head, which is then replaced
             load_config = copy.deepcopy(config)
             load_config.update(dict(id2label=before.id2label, label2id=before.label2id))
         model = AutoModelForImageClassification.from_pretrained(name, config=load_config, dtype=torch.float32)
-        if before.num_labels != num_labels:
+        if before.num_labels != num_labels or backbone:
             old = model.get_submodule(HEAD)
             with (partitioned or contextlib.nullcontext)():  # under ZeRO-3, created partitioned
                 head = nn.Linear(old.in_features, num_labels)
@@ -250,8 +269,9 @@ def build_model(name: str, num_labels: int, image_size: int, patch_size: int = 0
                 torch.manual_seed(module_seed(seed, HEAD))
                 compat.hf_init_module(model, head)
             if log:
-                log(f"model: {name} has {before.num_labels} classes; its classifier head is re-initialised for "
-                    f"{num_labels}")
+                log(f"model: {name} is a {before.architectures[0]} without a classifier; its head is initialised for "
+                    f"{num_labels} classes" if backbone else f"model: {name} has {before.num_labels} classes; its "
+                    f"classifier head is re-initialised for {num_labels}")
         try:
             processor = AutoImageProcessor.from_pretrained(name)
             processor.size = {"height": image_size, "width": image_size}
@@ -259,12 +279,3 @@ def build_model(name: str, num_labels: int, image_size: int, patch_size: int = 0
             processor = ViTImageProcessorPil(size={"height": image_size, "width": image_size})
     add_drop_path(model, drop_path)
     return model, processor
-
-
-def meta_model(cfg):
-    """The model of a run (a train.py config) on the meta device: shapes only, nothing allocated or initialised."""
-    config = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size, drop_path=cfg.drop_path)
-    with torch.device("meta"):
-        model = AutoModelForImageClassification.from_config(config)
-    add_drop_path(model, cfg.drop_path)  # its masks are saved tensors, which decide where a recompute stops
-    return model

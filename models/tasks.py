@@ -8,12 +8,14 @@
     segmentation    UperNetForSemanticSegmentation over a Swin backbone (Xiao et al. 2018; Liu et al. 2021)
 
 Every model's blocks are found by structure (models/blocks.py), so the checkpointing policies and the ZeRO
-wrapping treat them as a classifier's. The trainer's `task` key is not wired to these yet.
+wrapping treat them as a classifier's.
 """
 import copy
 
+import torch
+
 from config import ConfigError
-from models.registry import NAMES, init_weights, model_config
+from models.registry import NAMES, add_drop_path, init_weights, model_config, registry_processor
 
 TASKS = ("classification", "mae", "simmim", "segmentation")
 # MAE's decoder for ViT-B and larger (He et al. 2022, Table 1: 8 blocks of width 512, 16 heads); a narrower
@@ -23,15 +25,18 @@ UPERNET_CHANNELS = 512  # UperNet's pyramid pooling and FPN width in the Swin pa
 
 
 def task_config(name: str, task: str, num_labels: int, image_size: int, patch_size: int = 0, class_names=None,
-                drop_path: float = 0.0, mask_ratio: float = 0.75):
+                drop_path: float = 0.0, mask_ratio: float = 0.75, mask_patch_size: int = 0):
     """(transformers config, model class) of `task` on the registry model `name`; ConfigError for a task the
-    model's family does not support."""
+    model's family does not support, or SimMIM's `mask_patch_size` (0: not checked) that the patches or the
+    image do not fit."""
     from transformers import (SwinForImageClassification, SwinForMaskedImageModeling, UperNetConfig,
                               UperNetForSemanticSegmentation, ViTForImageClassification, ViTForMaskedImageModeling,
                               ViTMAEConfig, ViTMAEForPreTraining)
 
     if task not in TASKS:
         raise ConfigError(f"unknown task '{task}' (one of: {', '.join(TASKS)})")
+    if task != "classification" and name not in NAMES:
+        raise ConfigError(f"task {task}: a registry model is needed ({', '.join(NAMES)}); '{name}' is not one")
     base = model_config(name, num_labels, image_size, patch_size, class_names, drop_path)
     vit = base.model_type == "vit"
     if task == "classification":
@@ -53,6 +58,9 @@ def task_config(name: str, task: str, num_labels: int, image_size: int, patch_si
             decoder_num_attention_heads=MAE_DECODER["heads"] if wide else base.num_attention_heads)
         return config, ViTMAEForPreTraining
     if task == "simmim":
+        if mask_patch_size and (mask_patch_size % base.patch_size or image_size % mask_patch_size):
+            raise ConfigError(f"mask_patch_size {mask_patch_size} must be a multiple of the patch size "
+                              f"{base.patch_size} and divide image_size {image_size}")
         config = copy.deepcopy(base)
         # the decoder upsamples the last feature map back to pixels by this stride
         config.encoder_stride = base.patch_size if vit else base.patch_size * 2 ** (len(base.depths) - 1)
@@ -69,11 +77,34 @@ def task_config(name: str, task: str, num_labels: int, image_size: int, patch_si
 
 
 def build_task_model(name: str, task: str, num_labels: int, image_size: int, patch_size: int = 0, seed: int = 0,
-                     gathered=None, **kwargs):
-    """`task`'s model on a registry name, its weights from `seed` alone (models/registry.init_weights)."""
-    if name not in NAMES:
-        raise ConfigError(f"task {task}: a registry model is needed ({', '.join(NAMES)}); '{name}' is not one")
-    config, cls = task_config(name, task, num_labels, image_size, patch_size, **kwargs)
+                     gathered=None, drop_path: float = 0.0, **kwargs):
+    """(model, image processor) of `task` on a registry name, its weights from `seed` alone
+    (models/registry.init_weights). Under a live ZeRO-3 `HfDeepSpeedConfig` transformers' `_from_config` creates
+    every parameter partitioned; `gathered(params)` makes a module's whole while it is initialised."""
+    config, cls = task_config(name, task, num_labels, image_size, patch_size, drop_path=drop_path, **kwargs)
     model = cls._from_config(config)
     init_weights(model, seed, gathered)
+    add_drop_path(model, drop_path)
+    return model, registry_processor(name, image_size, segmentation=task == "segmentation")
+
+
+def run_config(cfg):
+    """(transformers config, its model's constructor) of a run (a train.py config): a classifier on a registry
+    name, a local directory or a hub id, or another task's model on a registry name."""
+    from transformers import AutoModelForImageClassification
+
+    if cfg.task == "classification":
+        return model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size, drop_path=cfg.drop_path), \
+            AutoModelForImageClassification.from_config
+    config, cls = task_config(cfg.model, cfg.task, cfg.num_labels, cfg.image_size, cfg.patch_size,
+                              drop_path=cfg.drop_path, mask_ratio=cfg.mask_ratio, mask_patch_size=cfg.mask_patch_size)
+    return config, cls._from_config
+
+
+def meta_model(cfg):
+    """The model of a run (a train.py config) on the meta device: shapes only, nothing allocated or initialised."""
+    config, construct = run_config(cfg)
+    with torch.device("meta"):
+        model = construct(config)
+    add_drop_path(model, cfg.drop_path)  # its masks are saved tensors, which decide where a recompute stops
     return model

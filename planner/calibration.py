@@ -9,7 +9,7 @@ import torch
 from config import Config
 from engine import compat
 from engine.ds_config import DTYPES
-from models.registry import meta_model
+from models.tasks import meta_model
 from planner.devices import Device
 
 

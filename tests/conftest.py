@@ -291,6 +291,20 @@ def digits(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def digits_seg(tmp_path_factory):
+    """The directory of the digits placed on 32x32 canvases (`make_shards.py digits-seg`), written once per session."""
+    out = tmp_path_factory.mktemp("digits-seg")
+    subprocess.run([sys.executable, "data/make_shards.py", "digits-seg", str(out), "--workers", "1"], cwd=REPO,
+                   check=True, capture_output=True)
+    return out
+
+
+def seg_shards(directory) -> list:
+    """train.py's shard arguments for the digits-seg shards in `directory`."""
+    return ["--train_shards", f"{directory}/train-{{000000..000003}}.tar", "--val_shards", f"{directory}/val-000000.tar"]
+
+
+@pytest.fixture(scope="session")
 def debug_args(digits):
     return DEBUG_ARGS + ["--train_shards", digits["train"], "--val_shards", digits["val"]]
 

@@ -15,7 +15,8 @@ from config import Config
 from engine import compat
 from engine.distributed import free_port
 from engine.memory import zero_memory_parts
-from models.registry import build_model, meta_model
+from models.registry import build_model
+from models.tasks import meta_model
 
 
 @pytest.mark.parametrize("name,image", [("vit-debug", 16), ("swin-debug", 16), ("vit-small", 32),

@@ -1,23 +1,27 @@
 """Every recipe in configs/: its keys parse, its shard specs expand as WebDataset patterns, the GPU recipes fit
 the hardware they name by the planner, and 2 steps of each run on CPU with its model shrunk to debug size and
-the digits in place of its data (every other key as the recipe sets it). The fine-tuning pair
-(digits-probe, digits-finetune) runs in tests/test_finetune.py."""
+the digits in place of its data (the digits on a canvas for segmentation; every other key as the recipe sets
+it). The fine-tuning pairs (digits-probe then digits-finetune, digits-mae then digits-mae-finetune) run in
+tests/test_finetune.py and tests/test_task_training.py."""
 import glob
 import json
 import os
 
 import pytest
 import yaml
-from conftest import REPO, launch, read_metrics, run_plan
+from conftest import REPO, launch, read_metrics, run_plan, seg_shards
 from webdataset.shardlists import expand_urls
 
 import config
 from models import build_model
 
 RECIPES = sorted(os.path.basename(p) for p in glob.glob(os.path.join(REPO, "configs", "*.yaml")))
-FINETUNE_PAIR = ("digits-probe.yaml", "digits-finetune.yaml")
+FINETUNE_PAIR = ("digits-probe.yaml", "digits-finetune.yaml", "digits-mae-finetune.yaml")
 # the shards each ImageNet recipe names: 1024 training and 64 validation shards
 IMAGENET_SHARDS = {"train_shards": 1024, "val_shards": 64}
+GPU_RECIPES = [r for r in RECIPES if not r.startswith("digits-")]
+# a task's metric in metrics.jsonl, and the debug-sized stand-ins for a recipe's masks
+METRIC = {"classification": "val_top1", "mae": "val_loss", "simmim": "val_loss", "segmentation": "val_miou"}
 
 
 def recipe(name):
@@ -38,7 +42,7 @@ def test_recipe_keys_and_patterns(name):
     assert "Expected" in text  # every recipe says what it should reach
 
 
-@pytest.mark.parametrize("name", [r for r in RECIPES if r.startswith("imagenet-")])
+@pytest.mark.parametrize("name", GPU_RECIPES)
 def test_gpu_recipe_fits_its_node(name):
     """The planner's verdict for one node of 8 x 80 GB, which the recipes name."""
     keys = recipe(name)
@@ -58,14 +62,20 @@ def pretrained(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", [r for r in RECIPES if r not in FINETUNE_PAIR])
-def test_recipe_runs_shrunk(name, digits, pretrained, tmp_path):
+def test_recipe_runs_shrunk(name, digits, pretrained, request, tmp_path):
     keys = recipe(name)
+    task = keys.get("task", "classification")
     model = pretrained if "/" in keys["model"] else ("swin-debug" if keys["model"].startswith("swin") else "vit-debug")
+    if task == "segmentation":  # the digits on a canvas: 11 classes
+        shards, labels = seg_shards(request.getfixturevalue("digits_seg")), 11
+    else:
+        shards, labels = ["--train_shards", digits["train"], "--val_shards", digits["val"]], 10
+    masks = ["--mask_patch_size", 4] if task == "simmim" else []  # 16 px: four blocks a side
     out = tmp_path / "run"
-    launch(["--config", f"configs/{name}", "--model", model, "--num_labels", 10, "--image_size", 16,
-            "--train_shards", digits["train"], "--val_shards", digits["val"], "--micro_batch_size", 8,
-            "--max_steps", 2, "--warmup_steps", 1, "--eval_every", 0, "--save_every", 0, "--num_workers", 0,
-            "--shuffle_buffer", 100, "--progress", "false", "--output_dir", out], timeout=180)  # 2 ranks
+    launch(["--config", f"configs/{name}", "--model", model, "--num_labels", labels, "--image_size", 16, *shards,
+            *masks, "--micro_batch_size", 8, "--max_steps", 2, "--warmup_steps", 1, "--eval_every", 0,
+            "--save_every", 0, "--num_workers", 0, "--shuffle_buffer", 100, "--progress", "false",
+            "--output_dir", out], timeout=180)  # 2 ranks
     records = read_metrics(out)
-    assert [r["step"] for r in records] == [1, 2] and "val_top1" in records[-1]
+    assert [r["step"] for r in records] == [1, 2] and METRIC[task] in records[-1]
     assert ("val_ema_top1" in records[-1]) == bool(keys.get("ema_decay"))

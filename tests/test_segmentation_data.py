@@ -23,13 +23,6 @@ def png(array, mode="L") -> bytes:
     return buf.getvalue()
 
 
-@pytest.fixture(scope="module")
-def digits_seg(tmp_path_factory):
-    out = tmp_path_factory.mktemp("digits-seg")
-    run_writer("digits-seg", out, "--workers", "1")
-    return out
-
-
 def test_writer_digits_seg_labels_each_digits_ink(digits_seg):
     """digits-seg: 1797 canvases, each sample an image and a mask of its size; the mask labels a digit's inked
     pixels 1 + the digit and nothing else (background 0), and every canvas holds at least one digit."""
@@ -76,6 +69,15 @@ def test_writer_pairs_in_ade20k_layout(tmp_path):
     for split, key in (("train", "training_a"), ("val", "validation_d")):
         sample = read_tar(tmp_path / "out" / f"{split}-000000.tar")[key]
         assert np.array_equal(np.asarray(Image.open(io.BytesIO(sample["seg.png"]))), masks[key])
+
+    # ADE20K's convention (--reduce-zero-label): 0, "other", is ignored and every class moves down by one
+    run_writer(tmp_path / "src", tmp_path / "reduced", "--workers", "1", "--reduce-zero-label")
+    info = json.loads((tmp_path / "reduced" / "_info.json").read_text())
+    assert info["class_names"] == [str(i) for i in range(5)]
+    reduced = np.asarray(Image.open(io.BytesIO(read_tar(tmp_path / "reduced" / "train-000000.tar")["training_a"][
+        "seg.png"])))
+    mask = masks["training_a"].astype(int)
+    assert np.array_equal(reduced, np.where((mask == 0) | (mask == IGNORE_INDEX), IGNORE_INDEX, mask - 1))
 
 
 def test_writer_hugging_face_dataset_with_a_mask_column(tmp_path):

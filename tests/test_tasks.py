@@ -39,7 +39,7 @@ def inputs(task: str, model, image_size: int, step: int = 0):
 
 
 def loss_and_grads(name: str, task: str, image_size: int, ac: str):
-    model = build_task_model(name, task, 11, image_size, seed=3)
+    model, _ = build_task_model(name, task, 11, image_size, seed=3)
     batch = inputs(task, model, image_size)
     # the blocks' profile from one forward of the images (what `selective` keeps and `hierarchical` reads)
     plan = apply_activation_checkpointing(model, ac, "cpu", profile_images=batch["pixel_values"], log=lambda *_: None)
@@ -55,7 +55,7 @@ def test_every_policy_gives_nones_loss_and_gradients_bitwise(case):
     structure, and under full, selective, every other block and hierarchical recompute the loss and every
     gradient equal `none`'s bitwise (one process; the masks fixed by seed, step and slot)."""
     name, task, size = MODELS[case]
-    assert [b.name for b in find_blocks(build_task_model(name, task, 11, size))] == BLOCKS[case]
+    assert [b.name for b in find_blocks(build_task_model(name, task, 11, size)[0])] == BLOCKS[case]
     loss, grads = loss_and_grads(name, task, size, "none")
     assert torch.isfinite(loss) and len(grads) > 0
     for ac in ("full", "selective", "every_n:2", "hierarchical:1"):
@@ -67,7 +67,7 @@ def test_every_policy_gives_nones_loss_and_gradients_bitwise(case):
 def test_mae_encoder_sees_only_the_kept_patches_and_the_loss_is_on_normalised_pixels():
     """mask_ratio 0.75 of 64 patches: the encoder's output holds the class token and 16 patches; the loss is the
     paper's: the masked patches' pixels normalised per patch (norm_pix_loss)."""
-    model = build_task_model("vit-debug", "mae", 10, 16, mask_ratio=0.75)
+    model, _ = build_task_model("vit-debug", "mae", 10, 16, mask_ratio=0.75)
     batch = inputs("mae", model, 16)
     out = model(**batch, output_hidden_states=True)
     assert model.config.norm_pix_loss and out.hidden_states[-1].shape == (4, 1 + 16, 32)

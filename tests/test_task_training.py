@@ -1,0 +1,172 @@
+"""The tasks beyond classification through train.py (`task: mae` on a ViT, `simmim` on a Swin, `segmentation`
+with UperNet over a Swin on the digits-on-a-canvas shards) on 2 ranks under ZeRO 1, 2 and 3: a checkpointing
+policy, a resume and a resume on another number of ranks each continue the uninterrupted `none` run's losses
+bitwise (the masks drawn from seed, step and slot); the run's export, and export.py's merge of its checkpoint,
+are the same weights; the exports load in transformers (a segmentation one in pipeline("image-segmentation"),
+an MAE encoder as a classifier to fine-tune); and the input a task cannot take is one line, exit 2.
+"""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import REPO, check_input, launch, read_metrics, seg_shards
+from safetensors.torch import load_file
+
+# each task's arguments: SimMIM on the Swin masks 4x4-pixel blocks of its 2-pixel patches; segmentation reads
+# 11 classes (background and the ten digits)
+TASKS = {
+    "mae": ["--model", "vit-debug", "--mask_ratio", "0.75"],
+    "simmim": ["--model", "swin-debug", "--mask_ratio", "0.6", "--mask_patch_size", "4"],
+    "segmentation": ["--model", "swin-debug", "--num_labels", "11", "--label_smoothing", "0"],
+}
+METRIC = {"mae": "val_loss", "simmim": "val_loss", "segmentation": "val_miou"}
+
+
+@pytest.fixture
+def task_args(request, debug_args):
+    """debug_args with the task's own shards and arguments."""
+    def args(task):
+        shards = seg_shards(request.getfixturevalue("digits_seg")) if task == "segmentation" else []
+        return debug_args + shards + TASKS[task] + ["--task", task]
+    return args
+# ZeRO-3 for each task in the default run; ZeRO-1 and 2 (`-m slow`) take the same paths with less partitioned
+CASES = [pytest.param(task, stage, marks=[pytest.mark.slow] if stage != 3 else [], id=f"{task}-zero{stage}")
+         for task in TASKS for stage in (1, 2, 3)]
+STEPS, SAVED = 8, 4
+
+
+def losses(run_dir, first=1):
+    records = {r["step"]: r["loss"] for r in read_metrics(run_dir)}
+    return np.array([records[s] for s in range(first, STEPS + 1)])
+
+
+def weights(run_dir):
+    return load_file(f"{run_dir}/hf_model/model.safetensors")
+
+
+def state_dict(model_dir):
+    """The weights of a Hugging Face directory as its own class loads them (save_pretrained writes transformers'
+    legacy names, export.py the modules' own)."""
+    import transformers
+
+    architecture = json.load(open(f"{model_dir}/config.json"))["architectures"][0]
+    return getattr(transformers, architecture).from_pretrained(model_dir).state_dict()
+
+
+@pytest.mark.parametrize("task,stage", CASES)
+def test_policy_resume_and_elastic_resume_continue_the_run_bitwise(task_args, tmp_path, task, stage):
+    args = task_args(task) + ["--zero_stage", stage, "--max_steps", STEPS, "--micro_batch_size", 8,
+                              "--warmup_steps", 2, "--eval_every", SAVED]
+    full = tmp_path / "full"
+    launch(args + ["--save_every", SAVED, "--output_dir", full])
+    records = read_metrics(full)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert all(np.isfinite(r["loss"]) and r["loss"] > 0 for r in records)
+    metric = METRIC[task]
+    evals = [r[metric] for r in records if metric in r]
+    assert len(evals) == 2 and all(np.isfinite(evals))
+    summary = json.load(open(full / "summary.json"))
+    assert summary["task"] == task and summary[metric] == evals[-1] and "val_top1" not in summary
+    state = json.load(open(full / "checkpoints" / f"step{SAVED:07d}" / "train_state.json"))
+    # keep_best ranks checkpoints by the val mIoU, or (pretraining) by the val loss, lower first
+    assert state["val_score"] == (evals[0] if task == "segmentation" else -evals[0])
+
+    # the step-4 checkpoint continued under selective recompute, in a fresh directory: the same 4 losses, the
+    # same final weights (every gradient equal: AdamW would carry a difference into the weights)
+    ckpt = full / "checkpoints" / f"step{SAVED:07d}"
+    resumed = tmp_path / "resumed"
+    proc = launch(args + ["--ac", "selective", "--output_dir", resumed, "--resume", ckpt])
+    assert f"at step {SAVED}" in proc.stdout and "data order restarts" not in proc.stdout
+    np.testing.assert_array_equal(losses(resumed, SAVED + 1), losses(full, SAVED + 1))
+    final = weights(full)
+    assert all(weights(resumed)[k].equal(v) for k, v in final.items())
+
+    # on 1 rank accumulating 2 micro-batches (the same slots, so the same masks), under full recompute
+    one = tmp_path / "one"
+    proc = launch(args + ["--ac", "full", "--grad_accum_steps", 2, "--output_dir", one, "--resume", ckpt], nproc=1)
+    assert "converting it to DeepSpeed's universal format" in proc.stdout
+    np.testing.assert_array_equal(losses(one, SAVED + 1), losses(full, SAVED + 1))
+
+    # export.py merges the final checkpoint into the weights the run exported
+    out = tmp_path / "exported"
+    proc = subprocess.run([sys.executable, "export.py", str(full / "checkpoints" / f"step{STEPS:07d}"), str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    exported, live = state_dict(out), state_dict(full / "hf_model")
+    assert exported.keys() == live.keys() and all(exported[k].equal(v) for k, v in live.items())
+
+
+def test_mae_exports_its_pretraining_model_and_an_encoder_that_fine_tunes(task_args, debug_args, tmp_path):
+    """hf_model/ of an MAE run is transformers' ViTMAEForPreTraining (the noise decides the mask); encoder/ is a
+    ViTModel with the same encoder weights, which `--model encoder/` trains as a classifier with a new head
+    (initialised from the seed) under layer-wise lr decay."""
+    from transformers import ViTMAEForPreTraining, ViTModel
+
+    pretrain = tmp_path / "mae"
+    launch(task_args("mae") + ["--max_steps", 2, "--eval_every", 0, "--save_every", 0, "--output_dir", pretrain],
+           nproc=1)
+    model = ViTMAEForPreTraining.from_pretrained(pretrain / "hf_model").eval()
+    assert model.config.mask_ratio == 0.75 and model.config.norm_pix_loss
+    images = torch.randn(2, 3, 16, 16)
+    noise = torch.rand(2, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = model(images, noise=noise), model(images, noise=noise)
+    assert torch.equal(a.mask, b.mask) and int(a.mask.sum()) == 2 * 48 and torch.isfinite(a.loss)
+    encoder = ViTModel.from_pretrained(pretrain / "encoder", add_pooling_layer=False)
+    mae = model.vit.state_dict()
+    assert all(v.equal(mae[k]) for k, v in encoder.state_dict().items())
+
+    finetune = tmp_path / "finetune"
+    proc = launch(debug_args + ["--model", pretrain / "encoder", "--layer_decay", 0.75, "--max_steps", 2,
+                                "--eval_every", 0, "--save_every", 0, "--output_dir", finetune], nproc=1)
+    assert "is a ViTModel without a classifier; its head is initialised for 10 classes" in proc.stdout
+    from transformers import AutoModelForImageClassification
+
+    classifier = AutoModelForImageClassification.from_pretrained(finetune / "hf_model")
+    assert classifier.config.model_type == "vit" and classifier.classifier.out_features == 10
+
+
+def test_the_segmentation_export_loads_in_the_pipeline_and_tensorboard_shows_masks(task_args, tmp_path):
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from transformers import pipeline
+
+    launch(task_args("segmentation") + ["--max_steps", 2, "--eval_every", 2, "--save_every", 0,
+                                        "--output_dir", tmp_path], nproc=1)
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert 0 <= summary["val_miou"] <= 1 and 0 <= summary["val_pixel_acc"] <= 1
+    confusion = np.array(summary["confusion"])  # pixels: 359 images of 16x16, none ignored
+    assert confusion.shape == (11, 11) and confusion.sum() == 359 * 16 * 16
+    assert np.trace(confusion) / confusion.sum() == pytest.approx(summary["val_pixel_acc"])
+    events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"images": 0}).Reload()
+    assert [e.step for e in events.Images("val/masks")] == [2]
+    segment = pipeline("image-segmentation", model=str(tmp_path / "hf_model"))
+    labels = [r["label"] for r in segment(Image.new("RGB", (16, 16)))]
+    assert labels and set(labels) <= {"background", *map(str, range(10))}
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--task", "mae", "--model", "swin-debug"], "error: task mae needs a ViT (swin-debug is a swin)"),
+    (["--task", "segmentation", "--model", "vit-debug", "--num_labels", "11", "SEG"],
+     "error: task segmentation needs a Swin backbone"),
+    (["--task", "segmentation", "--model", "swin-debug"],  # the classification shards
+     "error: train_shards: 64 of the first 64 samples of"),
+    (["--task", "segmentation", "--model", "swin-debug", "--num_labels", "5", "SEG"],
+     "error: num_labels is 5 but the train shards' _info.json lists 11 classes"),
+    (["--task", "simmim", "--model", "vit-debug", "--mask_patch_size", "6"],
+     "error: mask_patch_size 6 must be a multiple of the patch size 2 and divide image_size 16"),
+    (["--task", "mae", "--model", "vit-debug", "--image_size", "15"],
+     "error: image_size 15 is not a multiple of patch_size 2"),
+    (["--task", "depth"], "error: config key 'task' must be one of"),
+    (["--task", "mae", "--tp_size", "2"], "error: task mae with tp_size > 1"),
+])
+def test_a_task_the_model_or_input_cannot_take_is_one_line(debug_args, digits_seg, tmp_path, capsys, monkeypatch,
+                                                           args, message):
+    """SEG: the segmentation shards (masks of 11 classes)."""
+    args = [a for a in args if a != "SEG"] + (seg_shards(digits_seg) if "SEG" in args else [])
+    code, err = check_input(debug_args + ["--output_dir", tmp_path / "run"] + args, capsys, monkeypatch)
+    assert code == 2 and len(err) == 1 and err[0].startswith(message), err
+    assert not (tmp_path / "run").exists()
