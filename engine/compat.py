@@ -452,3 +452,20 @@ def hf_init_module(model, module):
     """Hugging Face's own initialisation of one module of `model` (`PreTrainedModel._init_weights`)."""
     _require("transformers", "hf_init_module")
     model._init_weights(module)
+
+
+def mae_fixed_position_embeddings(model):
+    """Set a freshly built `ViTMAEForPreTraining`'s frozen 2-D sin-cos position embeddings (encoder and decoder)
+    with ViTMAE's own `initialize_weights`. transformers 5.24 builds them at zero: the model's weight init skips
+    the encoder's table once the patch projection is marked initialised, and zeroes the decoder's, and both are
+    frozen, so an MAE trained from them has no position information. The encoder's call also gives the patch
+    projection and class token MAE's init (xavier-uniform as a linear layer, normal 0.02), from torch's RNG."""
+    _require("transformers", "mae_fixed_position_embeddings")
+    projection = model.vit.embeddings.patch_embeddings.projection
+    marked = getattr(projection, "_is_hf_initialized", False)
+    projection._is_hf_initialized = False
+    try:
+        model.vit.embeddings.initialize_weights()
+    finally:
+        projection._is_hf_initialized = marked
+    model.decoder.initialize_weights(model.vit.embeddings.patch_embeddings.num_patches)

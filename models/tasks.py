@@ -10,12 +10,14 @@
 Every model's blocks are found by structure (models/blocks.py), so the checkpointing policies and the ZeRO
 wrapping treat them as a classifier's.
 """
+import contextlib
 import copy
 
 import torch
 
 from config import ConfigError
-from models.registry import NAMES, add_drop_path, init_weights, model_config, registry_processor
+from engine import compat
+from models.registry import NAMES, add_drop_path, init_weights, model_config, module_seed, registry_processor
 
 TASKS = ("classification", "mae", "simmim", "segmentation")
 # MAE's decoder for ViT-B and larger (He et al. 2022, Table 1: 8 blocks of width 512, 16 heads); a narrower
@@ -84,6 +86,12 @@ def build_task_model(name: str, task: str, num_labels: int, image_size: int, pat
     config, cls = task_config(name, task, num_labels, image_size, patch_size, drop_path=drop_path, **kwargs)
     model = cls._from_config(config)
     init_weights(model, seed, gathered)
+    if task == "mae":  # the frozen sin-cos tables, which transformers' init leaves at zero
+        fixed = [*model.vit.embeddings.parameters(), model.decoder.decoder_pos_embed]
+        with (gathered or (lambda params: contextlib.nullcontext()))(fixed), torch.no_grad(), \
+                torch.random.fork_rng(devices=[]):
+            torch.manual_seed(module_seed(seed, "vit.embeddings"))
+            compat.mae_fixed_position_embeddings(model)
     add_drop_path(model, drop_path)
     return model, registry_processor(name, image_size, segmentation=task == "segmentation")
 

@@ -66,7 +66,7 @@ def test_every_policy_gives_nones_loss_and_gradients_bitwise(case):
 
 def test_mae_encoder_sees_only_the_kept_patches_and_the_loss_is_on_normalised_pixels():
     """mask_ratio 0.75 of 64 patches: the encoder's output holds the class token and 16 patches; the loss is the
-    paper's: the masked patches' pixels normalised per patch (norm_pix_loss)."""
+    paper's: the masked patches' pixels normalised per patch (norm_pix_loss); the position tables are MAE's."""
     model, _ = build_task_model("vit-debug", "mae", 10, 16, mask_ratio=0.75)
     batch = inputs("mae", model, 16)
     out = model(**batch, output_hidden_states=True)
@@ -75,6 +75,11 @@ def test_mae_encoder_sees_only_the_kept_patches_and_the_loss_is_on_normalised_pi
     # the noise decides the mask: the kept patches are the 16 of lowest noise
     kept = batch["noise"].argsort(dim=1)[:, :16]
     assert torch.equal(out.mask.gather(1, kept), torch.zeros(4, 16))
+    # the frozen sin-cos position tables, which transformers' own init leaves at zero: the class token's row zero,
+    # the patches' sines and cosines, the decoder's (here as wide as the encoder) the same
+    table = model.vit.embeddings.position_embeddings[0]
+    assert not table.requires_grad and table[0].abs().max() == 0 and table[1:].abs().max() > 0.99
+    assert torch.equal(table, model.decoder.decoder_pos_embed[0])
 
 
 def test_simmim_masks_whole_blocks_at_the_ratio_and_repeat_with_seed_step_and_slot():
