@@ -2,7 +2,7 @@
 against the same fine-tuning from random weights, and the segmentation default, each trained to the end on
 2 CPU ranks with its recipe in configs/.
 
-    .venv/bin/python -m benchmarks.digits_tasks              # ~20 min on 2 cores
+    .venv/bin/python -m benchmarks.digits_tasks              # ~13 min on 2 cores
     .venv/bin/python -m benchmarks.digits_tasks --report_only
 
 Runs are `train.py` itself under torchrun, in a temporary directory. Writes benchmarks/results/digits-tasks/:

@@ -38,7 +38,7 @@ class OpLog(TorchDispatchMode):
     (compat.view_base, (None,)), (compat.hf_init_module, (None, None)), (compat.quiet_deepspeed_deprecations, ()),
     (compat.zero3_hpz_ranks, (None,)), (compat.universal_load_keeps_group_settings, (None,)),
     (compat.is_compiled_in_place, (None,)), (compat.autotp_sees_one_head_count, (None,)),
-    (compat.tp_gathered_parameters, (None,))])
+    (compat.tp_gathered_parameters, (None,)), (compat.mae_fixed_position_embeddings, (None,))])
 def test_each_function_refuses_another_version(monkeypatch, function, args):
     monkeypatch.setattr(compat, "SUPPORTED", {k: ((0, 0), (0, 1)) for k in compat.SUPPORTED})
     with pytest.raises(compat.CompatError, match=rf"compat.py:{function.__name__} relies on (torch|deepspeed|transformers) "
@@ -169,6 +169,27 @@ def test_hf_init_module_initialises_one_module():
     torch.nn.init.zeros_(layer.weight)
     compat.hf_init_module(model, layer)
     assert layer.weight.std() > 0
+
+
+def test_mae_fixed_position_embeddings_sets_the_tables_transformers_leaves_at_zero():
+    """A ViTMAE built from its config has zero sin-cos tables under transformers 5.24 (the reason for the fix);
+    after mae_fixed_position_embeddings they are set, the decoder's equal to the encoder's at equal width, and
+    they hold the values of ViTMAE's own table function."""
+    from transformers import ViTMAEConfig, ViTMAEForPreTraining
+    from transformers.models.vit_mae.modeling_vit_mae import build_2d_sinusoidal_position_embedding
+
+    config = ViTMAEConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                          image_size=16, patch_size=4, decoder_hidden_size=32, decoder_num_hidden_layers=1,
+                          decoder_num_attention_heads=2, decoder_intermediate_size=64)
+    model = ViTMAEForPreTraining(config)
+    encoder, decoder = model.vit.embeddings.position_embeddings, model.decoder.decoder_pos_embed
+    if compat.series(compat.installed_version("transformers")) == (5, 24):
+        assert not encoder.any() and not decoder.any()
+    with torch.no_grad():
+        compat.mae_fixed_position_embeddings(model)
+    table = build_2d_sinusoidal_position_embedding(height=4, width=4, embed_dim=32, cls_token=True)
+    assert encoder.any() and torch.equal(encoder, decoder)
+    assert sorted(encoder[0].flatten().tolist()) == sorted(table.flatten().tolist())  # its halves swapped, as ViTMAE's
 
 
 def test_compiling_in_place_is_seen():
