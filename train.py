@@ -30,6 +30,7 @@ from ac.policies import check_policy
 from config import Config, ConfigError, parse
 from data.loader import (ShardStream, TrainLoader, check_labels, check_masks, check_streams, eval_batches,
                          merge_states, resume_state)
+from data.masking import masked_inputs
 from data.shards import DataError, parse_spec
 from data.transforms import (EvalTransform, Normalize, SegEvalTransform, SegTrainTransform, TrainTransform,
                              mix_batch)
@@ -49,7 +50,6 @@ from engine.preemption import EXIT_PREEMPTED, Preemption
 from engine.runlog import RunLog
 from engine.tensor_parallel import check_tp, layout
 from engine.timing import clock
-from data.masking import masked_inputs
 from models.registry import check_weight_files
 from models.tasks import meta_model, run_config
 
@@ -532,7 +532,8 @@ def finish(run: Run, model: Model, start: Start, trained: Trained, log: RunLog):
                **{f"val_ema_{k}": v for k, v in (ema_result.metrics if ema_result else {}).items()},
                "images_per_sec": trained.timed_images / seconds if seconds else None,
                "steps_this_launch": cfg.max_steps - start.step, "seconds_this_launch": round(elapsed, 1),
-               "hf_model": hf_dir, **({"encoder": encoder_dir} if encoder_dir else {}), "hf_model_weights": "ema" if cfg.export_ema else "live", "labels": log.labels,
+               "hf_model": hf_dir, **({"encoder": encoder_dir} if encoder_dir else {}),
+               "hf_model_weights": "ema" if cfg.export_ema else "live", "labels": log.labels,
                # a classifier's: rows true, columns predicted
                "confusion": result.confusion.long().tolist() if result.confusion is not None else None}
     throughput = f"{trained.timed_images / seconds:.0f}" if seconds else "n/a"

@@ -237,9 +237,10 @@ def build_model(name: str, num_labels: int, image_size: int, patch_size: int = 0
                 gathered=None, partitioned=None, drop_path: float = 0.0, log=None):
     """(model, image_processor). Registry names: initial weights from `seed` alone (`init_weights`); local
     directories and hub ids: their weights, with a new classifier head (from `seed`, logged) when the label count
-    differs or the directory holds a backbone without one. Built through transformers' `_from_config` / `from_pretrained`, which create every parameter
-    partitioned when a ZeRO-3 `HfDeepSpeedConfig` is alive (engine/parallelize.py); `partitioned()`: the context
-    that does the same for a module created here (a new head). transformers' ZeRO-3 loader cannot skip a head
+    differs or the directory holds a backbone without one. Built through transformers' `_from_config` /
+    `from_pretrained`, which create every parameter partitioned when a ZeRO-3 `HfDeepSpeedConfig` is alive
+    (engine/parallelize.py); `partitioned()`: the context that does the same for a module created here (a new
+    head). transformers' ZeRO-3 loader cannot skip a head
     of another shape, so a pretrained model loads with its own head, which is then replaced."""
     config = model_config(name, num_labels, image_size, patch_size, class_names, drop_path)
     if name in NAMES:

@@ -101,14 +101,18 @@ def test_policy_resume_and_elastic_resume_continue_the_run_bitwise(task_args, tm
 
 
 def test_mae_exports_its_pretraining_model_and_an_encoder_that_fine_tunes(task_args, debug_args, tmp_path):
-    """hf_model/ of an MAE run is transformers' ViTMAEForPreTraining (the noise decides the mask); encoder/ is a
-    ViTModel with the same encoder weights, which configs/digits-mae-finetune.yaml (`model: encoder/`, layer-wise
-    lr decay, stochastic depth) trains as a classifier with a new head initialised from the seed."""
+    """hf_model/ of an MAE run with an EMA of its weights (exported) is transformers' ViTMAEForPreTraining (the
+    noise decides the mask); encoder/ is a ViTModel with the same encoder weights, which
+    configs/digits-mae-finetune.yaml (`model: encoder/`, layer-wise lr decay, stochastic depth) trains as a
+    classifier with a new head initialised from the seed."""
     from transformers import ViTMAEForPreTraining, ViTModel
 
     pretrain = tmp_path / "mae"
-    launch(task_args("mae") + ["--max_steps", 2, "--eval_every", 0, "--save_every", 0, "--output_dir", pretrain],
-           nproc=1)
+    launch(task_args("mae") + ["--max_steps", 2, "--eval_every", 0, "--save_every", 0, "--ema_decay", 0.9,
+                               "--export_ema", "true", "--output_dir", pretrain], nproc=1)
+    last = read_metrics(pretrain)[-1]
+    assert np.isfinite(last["val_loss"]) and np.isfinite(last["val_ema_loss"])
+    assert last["val_ema_loss"] != last["val_loss"]  # the averaged weights, evaluated on their own
     model = ViTMAEForPreTraining.from_pretrained(pretrain / "hf_model").eval()
     assert model.config.mask_ratio == 0.75 and model.config.norm_pix_loss
     images = torch.randn(2, 3, 16, 16)
@@ -136,9 +140,10 @@ def test_the_segmentation_export_loads_in_the_pipeline_and_tensorboard_shows_mas
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from transformers import pipeline
 
-    launch(task_args("segmentation") + ["--max_steps", 2, "--eval_every", 2, "--save_every", 0,
+    launch(task_args("segmentation") + ["--max_steps", 2, "--eval_every", 2, "--save_every", 0, "--ema_decay", 0.9,
                                         "--output_dir", tmp_path], nproc=1)
     summary = json.load(open(tmp_path / "summary.json"))
+    assert 0 <= summary["val_ema_miou"] <= 1 and 0 <= summary["val_ema_pixel_acc"] <= 1
     assert 0 <= summary["val_miou"] <= 1 and 0 <= summary["val_pixel_acc"] <= 1
     confusion = np.array(summary["confusion"])  # pixels: 359 images of 16x16, none ignored
     assert confusion.shape == (11, 11) and confusion.sum() == 359 * 16 * 16
