@@ -22,8 +22,9 @@ class Evaluation:
     @property
     def score(self) -> float:
         """Higher is better: what keep_best ranks checkpoints by."""
-        if "top1" in self.metrics or "miou" in self.metrics:
-            return self.metrics.get("top1", self.metrics.get("miou"))
+        for key in ("top1", "miou"):
+            if key in self.metrics:
+                return self.metrics[key]
         return -self.metrics["loss"]
 
     def describe(self) -> str:
@@ -34,18 +35,24 @@ class Evaluation:
         return f"loss {self.metrics['loss']:.4f}"
 
 
-def forwards(engine, loader, device):
-    """Each batch of `loader`, then (on a rank that ran out of data) None until every rank has: ZeRO-3 gathers
-    parameters inside each forward, so every rank runs as many forwards as the others, the rank without data on
-    a dummy batch (the caller runs it and counts nothing)."""
-    batches = iter(loader)
+def batches(engine, loader, normalize, dtype, device):
+    """(images, targets, the batch as loaded) of each batch of `loader`, the uint8 images normalised on the device
+    (`normalize`) in `dtype`. ZeRO-3 gathers parameters inside each forward, so every rank runs as many forwards
+    as the others: a rank that ran out of data runs the model here on a dummy batch (its last batch's first
+    image), counting nothing, until every rank has."""
+    loaded, dummy = iter(loader), None
     while True:
-        batch = next(batches, None)
+        batch = next(loaded, None)
         more = torch.tensor([batch is not None], dtype=torch.int32, device=device)
         dist.all_reduce(more, op=dist.ReduceOp.MAX)
         if not more.item():
             return
-        yield batch
+        if batch is None:
+            engine(dummy)
+            continue
+        images = normalize(batch[0].to(device, non_blocking=True)).to(dtype)
+        dummy = images[:1]
+        yield images, batch[1].to(device), batch
 
 
 @torch.no_grad()
@@ -67,13 +74,8 @@ def evaluate(engine, loader, normalize, dtype, device, cfg, data_rank: int = 0, 
 def _classification(engine, loader, normalize, dtype, device, num_labels, copies) -> Evaluation:
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # correct@1, correct@5, count
     confusion = torch.zeros(num_labels * num_labels, dtype=torch.float64, device=device)
-    shown = dummy = None
-    for batch in forwards(engine, loader, device):
-        if batch is None:
-            engine(dummy)
-            continue
-        images, labels = normalize(batch[0].to(device, non_blocking=True)).to(dtype), batch[1].to(device)
-        dummy = images[:1]
+    shown = None
+    for images, labels, batch in batches(engine, loader, normalize, dtype, device):
         logits = engine(images).logits.float()  # (B, num_labels)
         top = logits.topk(min(5, logits.shape[-1]), dim=-1).indices
         hits = top == labels[:, None]
@@ -95,13 +97,8 @@ def _segmentation(engine, loader, normalize, dtype, device, num_labels) -> Evalu
     class's IoU, true / (true + predicted - both), averaged over the classes present in either (mIoU), and the
     pixel accuracy."""
     confusion = torch.zeros(num_labels * num_labels, dtype=torch.float64, device=device)
-    shown = dummy = None
-    for batch in forwards(engine, loader, device):
-        if batch is None:
-            engine(dummy)
-            continue
-        images, masks = normalize(batch[0].to(device, non_blocking=True)).to(dtype), batch[1].to(device)
-        dummy = images[:1]
+    shown = None
+    for images, masks, batch in batches(engine, loader, normalize, dtype, device):
         predicted = engine(images).logits.argmax(1)  # (B, H, W): UperNet's logits are upsampled to the input
         counted = masks != IGNORE_INDEX
         confusion += torch.bincount(masks[counted] * num_labels + predicted[counted],
@@ -121,14 +118,8 @@ def _segmentation(engine, loader, normalize, dtype, device, num_labels) -> Evalu
 def _reconstruction(engine, loader, normalize, dtype, device, cfg, data_rank, data_ranks) -> Evaluation:
     """The pretraining loss averaged over every validation image (each batch's loss weighted by its images)."""
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss x images, images
-    dummy = None
-    for index, batch in enumerate(forwards(engine, loader, device)):
-        if batch is None:
-            engine(**dummy)
-            continue
-        images = normalize(batch[0].to(device, non_blocking=True)).to(dtype)
+    for index, (images, _, _) in enumerate(batches(engine, loader, normalize, dtype, device)):
         inputs = masked_inputs(cfg, engine.module.config, images, VAL_STEP, index * data_ranks + data_rank)
-        dummy = {k: v[:1] for k, v in inputs.items()}
         loss = engine(**inputs).loss
         totals += torch.stack([loss.double() * len(images), torch.tensor(len(images), device=device)]).to(totals)
     dist.all_reduce(totals)
