@@ -47,8 +47,16 @@ def masked_inputs(cfg, config, images: torch.Tensor, step: int, slot: int) -> di
     batch, side = len(images), images.shape[-1]
     if cfg.task == "mae":
         noise = mae_noise(cfg.seed, step, slot, batch, (side // config.patch_size) ** 2)
-        return {"pixel_values": images, "noise": noise.to(images.device, non_blocking=True)}
+        return {"pixel_values": images, "noise": _to_device(noise, images.device)}
     if cfg.task == "simmim":
         mask = simmim_mask(cfg.seed, step, slot, batch, side, config.patch_size, cfg.mask_patch_size, cfg.mask_ratio)
-        return {"pixel_values": images, "bool_masked_pos": mask.to(images.device, non_blocking=True)}
+        return {"pixel_values": images, "bool_masked_pos": _to_device(mask, images.device)}
     return {"pixel_values": images}
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` on `device` without waiting for it: a copy to a GPU from pageable memory first synchronises the
+    stream, one from pinned memory is queued behind the step's kernels."""
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
