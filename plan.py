@@ -319,7 +319,7 @@ def main(argv=None):
         from planner.estimate import estimate
         from planner.search import search, smallest_cluster
         from engine.tensor_parallel import check_tp
-        from models.registry import model_config
+        from models.registry import model_config, width
 
         if a.list_devices:
             for d in DEVICES.values():
@@ -342,7 +342,7 @@ def main(argv=None):
         device = device_of(a)
         if a.world_size < 1 or a.ranks_per_node < 1:
             raise ConfigError("world_size and ranks_per_node must be at least 1")
-        hidden = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size).hidden_size
+        hidden = width(model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size))
         ds_for = lambda c: build_ds_config(c, hidden, a.world_size, precision, a.ranks_per_node,  # noqa: E731
                                            gpu=a.device != "cpu")
         mfu, mbu, rates = a.mfu or DEFAULT_MFU, a.mbu or DEFAULT_MBU, None

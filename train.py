@@ -24,13 +24,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ac.policies import check_policy
 from config import Config, ConfigError, parse
 from data.loader import (ShardStream, TrainLoader, check_labels, check_masks, check_streams, eval_batches,
                          merge_states, resume_state)
-from data.masking import masked_inputs
 from data.shards import DataError, parse_spec
 from data.transforms import (EvalTransform, Normalize, SegEvalTransform, SegTrainTransform, TrainTransform,
                              mix_batch)
@@ -50,8 +48,8 @@ from engine.preemption import EXIT_PREEMPTED, Preemption
 from engine.runlog import RunLog
 from engine.tensor_parallel import check_tp, layout
 from engine.timing import clock
-from models.registry import check_weight_files
-from models.tasks import meta_model, run_config
+from models.registry import check_weight_files, width
+from models.tasks import meta_model, run_config, task_loss
 
 # a resumed run whose data layout changed starts a fresh data order, seeded by the seed and the step
 RESEED_STRIDE = 1_000_003
@@ -99,7 +97,7 @@ def check_run(cfg: Config, world_size: int, rank: int) -> Checked:
     shapes = {n: list(p.shape) for n, p in meta_model(cfg).named_parameters()}  # the model as defined, on meta
     if cfg.freeze:  # a pattern that names no parameter fails here, on the model's shapes alone
         frozen_names(list(shapes), cfg.freeze)
-    _, ds_config = engine_config(cfg, defined.hidden_size, world_size)
+    _, ds_config = engine_config(cfg, width(defined), world_size)
     offload = ds_config["zero_optimization"].get("offload_param", {}).get("device", "none")
     if cfg.ema_decay and offload == "nvme":
         raise ConfigError("ema_decay with offload_param on nvme: the EMA averages the weights' partitions in memory, "
@@ -359,15 +357,10 @@ def train_step(run: Run, model: Model, data: Data, step: int) -> tuple[torch.Ten
         slot = run.data_rank * cfg.grad_accum_steps + micro
         slot_seed = hash((cfg.seed, step, slot)) % 2**63
         torch.manual_seed(slot_seed)
-        if cfg.task == "classification":
+        if cfg.task == "classification":  # mixup and cutmix make soft targets
             mix_rng = torch.Generator().manual_seed(slot_seed)
-            images, targets = mix_batch(images, labels, cfg.num_labels, cfg.mixup, cfg.cutmix, mix_rng)
-            logits = engine(images.to(model.dtype)).logits.float()  # (B, num_labels)
-            loss = F.cross_entropy(logits, targets, label_smoothing=cfg.label_smoothing)
-        elif cfg.task == "segmentation":  # UperNet's cross-entropy over the pixels not IGNORE_INDEX, at full size
-            loss = engine(images.to(model.dtype), labels=labels).loss.float()
-        else:  # the model's own loss: MAE's on normalised pixels, SimMIM's L1, both on the masked patches only
-            loss = engine(**masked_inputs(cfg, engine.module.config, images.to(model.dtype), step, slot)).loss.float()
+            images, labels = mix_batch(images, labels, cfg.num_labels, cfg.mixup, cfg.cutmix, mix_rng)
+        loss = task_loss(engine, cfg, images.to(model.dtype), labels, step, slot)
         engine.backward(loss)  # DeepSpeed divides by grad_accum_steps
         engine.step()  # optimizer and LR schedule advance only at the accumulation boundary
         loss_sum += loss.detach().double()

@@ -37,9 +37,10 @@ def activation_peak(profile: list[BlockProfile], plan: list, released: list | No
     """Activation bytes at the step's highest point under `plan`: the end of the forward (every block's kept
     bytes), or some block's backward, which holds its gradients and, if the block is recomputed, all it
     would have saved, while the blocks before it still hold theirs (the blocks after it are done and freed).
-    `released[i]`: other bytes freed by the time block i's backward runs, taken off that moment."""
+    `released[i]`: other bytes freed by the time block i's backward runs, taken off that moment. The backward
+    begins outside the blocks (the head's), with every block's kept bytes held (Profile.grad_outside)."""
     kept = [kept_bytes(p, how) for p, how in zip(profile, plan)]
-    peak, before = sum(kept), 0
+    peak, before = sum(kept) + getattr(profile, "grad_outside", 0), 0
     for i, (p, how, k) in enumerate(zip(profile, plan, kept)):
         held = p.bytes_none if how in ("selective", "full") else k
         peak = max(peak, before + held + p.bytes_grad - (released[i] if released else 0))

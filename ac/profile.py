@@ -105,8 +105,12 @@ class Profile(list):
     """The blocks' profiles, in forward order, and the activation bytes saved outside any block (the stem,
     Swin's patch merging, the final norm and head), which no policy changes; the whole forward's FLOPs, and the
     operators it dispatches (views excepted: each of the others is at least one kernel launch on a GPU), and the
-    bytes its memory-bound operators (norms, activations, softmax, adds, copies) read and write."""
+    bytes its memory-bound operators (norms, activations, softmax, adds, copies) read and write. `grad_outside`:
+    what the backward of the layers outside the blocks holds beside the activations, first in the backward:
+    an operator's output gradient and its input's, each counted at the largest tensor saved there (a
+    segmentation decoder's full-resolution features)."""
     bytes_outside: int = 0
+    grad_outside: int = 0
     forward_flops: int = 0
     ops: int = 0
     moved_bytes: int = 0
@@ -114,6 +118,7 @@ class Profile(list):
     def scaled(self, factor: float) -> "Profile":
         out = Profile(p.scaled(factor) for p in self)
         out.bytes_outside = round(self.bytes_outside * factor)
+        out.grad_outside = round(self.grad_outside * factor)
         out.forward_flops, out.ops = round(self.forward_flops * factor), self.ops
         out.moved_bytes = round(self.moved_bytes * factor)
         return out
@@ -173,7 +178,8 @@ def profile_blocks(model, images: torch.Tensor) -> Profile:
     out = Profile()
     out.forward_flops, out.ops, out.moved_bytes = flops.get_total_flops(), recorder.ops, recorder.moved
     in_blocks = {ptr for b in blocks for ptr in saved[b.name]}
-    out.bytes_outside = sum(n for ptr, n in saved.get(None, {}).items() if ptr not in in_blocks)
+    outside = [n for ptr, n in saved.get(None, {}).items() if ptr not in in_blocks]
+    out.bytes_outside, out.grad_outside = sum(outside), 2 * max(outside, default=0)
     for b in blocks:
         f = sum(per_module.get(f"{type(model).__name__}.{b.name}", {}).values())
         none = sum(saved[b.name].values())

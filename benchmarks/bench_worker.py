@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from config import Config
 from engine import compat
@@ -41,7 +40,8 @@ from engine.optim import lr_schedule, param_groups
 from engine.parallelize import apply_ac, build_engine, build_training_model, engine_config
 from engine.tensor_parallel import layout
 from engine.timing import clock
-from models import build_model, find_blocks, model_config
+from models import build_model, find_blocks, model_config, width
+from models.tasks import build_task_model, task_loss
 
 
 def fsdp2_memory_bytes(n_params: int, outside_params: int, block_params: int, world_size: int, precision: str,
@@ -87,15 +87,20 @@ class Spec:
     ds_config: str = ""  # deepspeed: a DeepSpeed JSON template (run config key ds_config); "" = ds_configs/zero{zero}.json
     compile: bool = False  # torch.compile: DeepSpeed's engine.compile() (train.py's); FSDP2 each block in place
     tp_size: int = 1  # deepspeed: tensor parallelism (train.py's tp_size); a tensor group's ranks see one batch
+    task: str = "classification"  # train.py's task: classification | mae | simmim | segmentation
+    mask_ratio: float = 0.75  # mae, simmim
+    mask_patch_size: int = 32  # simmim
 
 
 def batch(spec: Spec, rank: int, step: int):
-    """The rank's images and labels of one optimizer step, micro-batches together: a step's draws depend on
-    the seed, the data-parallel rank and the step, not on how the step is cut into micro-batches."""
+    """The rank's images and targets of one optimizer step, micro-batches together: a step's draws depend on
+    the seed, the data-parallel rank and the step, not on how the step is cut into micro-batches. Targets: a
+    class per image, or for segmentation a class per pixel."""
     g = torch.Generator().manual_seed(spec.seed * 1_000_003 + layout(rank, spec.tp_size)[0] * 1009 + step)
     n = spec.micro_batch_size * spec.grad_accum_steps
     images = torch.randn(n, 3, spec.image_size, spec.image_size, generator=g)
-    return images, torch.randint(0, spec.num_labels, (n,), generator=g)
+    shape = (n, spec.image_size, spec.image_size) if spec.task == "segmentation" else (n,)
+    return images, torch.randint(0, spec.num_labels, shape, generator=g)
 
 
 def run_config(spec: Spec) -> Config:
@@ -105,7 +110,8 @@ def run_config(spec: Spec) -> Config:
     return Config(model=spec.model, num_labels=spec.num_labels, image_size=spec.image_size,
                   patch_size=spec.patch_size, zero_stage=spec.zero, ac="none" if spec.ac.startswith("hf:") else spec.ac,
                   micro_batch_size=spec.micro_batch_size, grad_accum_steps=spec.grad_accum_steps, warmup_steps=20, max_steps=100, seed=spec.seed,
-                  ds_config=spec.ds_config, compile=spec.compile, tp_size=spec.tp_size)
+                  ds_config=spec.ds_config, compile=spec.compile, tp_size=spec.tp_size, task=spec.task,
+                  mask_ratio=spec.mask_ratio, mask_patch_size=spec.mask_patch_size)
 
 
 class FSDP2Step:
@@ -150,8 +156,8 @@ class FSDP2Step:
                                      eps=1e-8, fused=True)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_schedule(cfg))
 
-    def forward(self, images, labels):
-        return F.cross_entropy(self.model(images).logits.float(), labels, label_smoothing=self.cfg.label_smoothing)
+    def forward(self, images, targets, step: int, slot: int):
+        return task_loss(self.model, self.cfg, images, targets, step, slot)
 
     def compiled(self) -> bool:
         return all(compat.is_compiled_in_place(b.module) for b in find_blocks(self.model))
@@ -185,9 +191,8 @@ class DeepSpeedStep:
         self.engine, self.plan, self.dtype, self.cfg = built.engine, built.ac_plan, built.dtype, cfg
         self.ds_config = built.ds_config
 
-    def forward(self, images, labels):
-        logits = self.engine(images.to(self.dtype)).logits.float()
-        return F.cross_entropy(logits, labels, label_smoothing=self.cfg.label_smoothing)
+    def forward(self, images, targets, step: int, slot: int):
+        return task_loss(self.engine, self.cfg, images.to(self.dtype), targets, step, slot)
 
     def compiled(self) -> bool:
         return self.engine.is_compiled
@@ -268,10 +273,14 @@ def main(argv=None):
     profiler.__enter__()
     with record_function("bench/build"):  # DeepSpeed: as train.py builds it (partitioned under ZeRO-3)
         if spec.engine == "deepspeed":
-            model, _ = build_training_model(cfg, engine_config(cfg, model_config(
-                spec.model, spec.num_labels, spec.image_size, spec.patch_size).hidden_size, world_size)[1])
-        else:
+            model, _ = build_training_model(cfg, engine_config(cfg, width(model_config(
+                spec.model, spec.num_labels, spec.image_size, spec.patch_size)), world_size)[1])
+        elif spec.task == "classification":
             model, _ = build_model(spec.model, spec.num_labels, spec.image_size, spec.patch_size, seed=spec.seed)
+        else:
+            model, _ = build_task_model(spec.model, spec.task, spec.num_labels, spec.image_size, spec.patch_size,
+                                        seed=spec.seed, mask_ratio=spec.mask_ratio,
+                                        mask_patch_size=spec.mask_patch_size)
     torch.manual_seed(spec.seed)  # dropout and stochastic depth: the same draws under every engine
     with record_function("bench/wrap"):
         step_fn = DeepSpeedStep(model, cfg, world_size) if spec.engine == "deepspeed" \
@@ -304,7 +313,7 @@ def main(argv=None):
                 if marked:
                     weights_before = step_fn.gathered_weight_bytes()
                 with record_function("bench/forward" if marked else f"bench/forward{step}.{i}"):
-                    loss = step_fn.forward(x, y)
+                    loss = step_fn.forward(x, y, step, rank * spec.grad_accum_steps + i)
                 if marked:  # whole weights the forward left for the backward, not activations
                     forward_weights = step_fn.gathered_weight_bytes() - weights_before
                 step_fn.backward_step(loss, last=i == spec.grad_accum_steps - 1)

@@ -3,6 +3,7 @@
 
     python -m benchmarks.fault_injection --faults 48 --seed 0      # report in benchmarks/results/faults/
     python -m benchmarks.fault_injection --kinds kill-save,stall --faults 4 --out /tmp/faults
+    python -m benchmarks.fault_injection --task segmentation --kinds sigterm,kill-eval --faults 4 --out /tmp/seg
 
 The faults (`--kinds`, default all), each at a random step, save, evaluation or launcher as the seed draws:
   kill-rank      kill -9 of one rank mid-step
@@ -66,6 +67,16 @@ JOB_ARGS = ["--model", "vit-debug", "--image_size", "16", "--micro_batch_size", 
 # every fault's job also gets these: they change no loss, only how faults are met (every step read and logged as
 # it ends, so that a fault aimed at a step by the records lands there)
 FAULT_ARGS = ["--keep_last", "2", "--dist_timeout", "8", "--preempt_grace", "30", "--log_every", "1"]
+# the job of each other task (--task): MAE on the debug ViT, SimMIM on the debug Swin (4-pixel mask blocks of its
+# 2-pixel patches), UperNet over the debug Swin on the digits placed on a canvas (make_shards.py digits-seg)
+TASK_ARGS = {"classification": [], "mae": ["--task", "mae", "--mask_ratio", "0.75"],
+             "simmim": ["--task", "simmim", "--model", "swin-debug", "--mask_ratio", "0.6", "--mask_patch_size", "4"],
+             "segmentation": ["--task", "segmentation", "--model", "swin-debug", "--num_labels", "11",
+                              "--label_smoothing", "0"]}
+JOB_DESCRIPTION = {"classification": "the debug ViT on the digits", "mae": "MAE on the debug ViT, on the digits",
+                   "simmim": "SimMIM on the debug Swin, on the digits",
+                   "segmentation": "UperNet over the debug Swin on the digits placed on a canvas"}
+CLASSIFICATION_ONLY = {"bad-label"}  # relabels the shards' class field
 DISK_MIB = 16
 
 
@@ -87,6 +98,11 @@ class Episode:
     lost: list = field(default_factory=list)  # what was lost; empty is the goal
     seconds: float = 0.0
     note: str = ""
+
+
+def job_args(task: str = "classification") -> list:
+    """The arguments of the job every fault hits, for `task`."""
+    return JOB_ARGS + TASK_ARGS[task]
 
 
 def arg(args: list, key: str) -> str:
@@ -521,30 +537,37 @@ def main():
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "faults"))
     parser.add_argument("--keep", action="store_true", help="keep the runs' directories")
+    parser.add_argument("--task", default="classification", choices=sorted(TASK_ARGS),
+                        help="the job's task (train.py's `task`), on the digits or, for segmentation, digits-seg")
     a = parser.parse_args()
     kinds = a.kinds.split(",")
     if unknown := [k for k in kinds if k not in KINDS]:
         sys.exit(f"error: unknown fault kind {', '.join(unknown)}; known: {', '.join(KINDS)}")
+    if a.task != "classification" and (wrong := CLASSIFICATION_ONLY & set(kinds)):
+        if a.kinds != ",".join(KINDS):
+            sys.exit(f"error: {', '.join(sorted(wrong))}: classification only (it rewrites the class labels)")
+        kinds = [k for k in kinds if k not in wrong]
     episodes = draw(a.faults, kinds, a.seed)
     work = os.path.join("/tmp", f"fault-injection-{os.getpid()}")
     os.makedirs(work)
+    args = job_args(a.task)
     try:
         shards = {"dir": os.path.join(work, "digits")}
-        subprocess.run([sys.executable, "data/make_shards.py", "digits", shards["dir"]], cwd=REPO, check=True,
-                       capture_output=True)
+        subprocess.run([sys.executable, "data/make_shards.py", "digits-seg" if a.task == "segmentation" else "digits",
+                        shards["dir"]], cwd=REPO, check=True, capture_output=True)
         shards.update(train=f"{shards['dir']}/train-{{000000..000003}}.tar", val=f"{shards['dir']}/val-000000.tar")
         references = {}
         for stage in sorted({e.stage for e in episodes}):
             ref = os.path.join(work, f"reference-zero{stage}")
-            proc = start("deepspeed", JOB_ARGS + ["--zero_stage", stage, "--train_shards", shards["train"],
-                                                  "--val_shards", shards["val"], "--output_dir", ref],
+            proc = start("deepspeed", args + ["--zero_stage", stage, "--train_shards", shards["train"],
+                                              "--val_shards", shards["val"], "--output_dir", ref],
                          os.path.join(work, f"reference-zero{stage}.log"))
             if finish(proc, timeout=600) != 0:
                 sys.exit(f"error: the uninterrupted ZeRO-{stage} run failed; see {work}")
             references[stage] = ref
             print(f"reference ZeRO-{stage}: {MAX_STEPS} steps uninterrupted", flush=True)
         start_time = time.time()
-        run_all(episodes, a.seed, JOB_ARGS, shards, references, work, log=lambda s: print(s, flush=True))
+        run_all(episodes, a.seed, args, shards, references, work, log=lambda s: print(s, flush=True))
         write_report(episodes, a, start_time)
     finally:
         if not a.keep:
@@ -561,10 +584,11 @@ def write_report(episodes: list, a, start_time: float):
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip()
     lines = [f"# Fault injection, {datetime.date.today().isoformat()}", "",
-             f"`python -m benchmarks.fault_injection --faults {a.faults} --seed {a.seed}` at commit {commit}, "
+             f"`python -m benchmarks.fault_injection --faults {a.faults} --seed {a.seed}"
+             f"{f' --task {a.task}' if a.task != 'classification' else ''}` at commit {commit}, "
              f"{platform.processor() or platform.machine()} with {os.cpu_count()} cores, torch {torch.__version__}; "
              f"{(time.time() - start_time) / 60:.0f} min.", "",
-             f"Each fault hits its own 2-rank job: the debug ViT on the digits, {MAX_STEPS} steps, a checkpoint every "
+             f"Each fault hits its own 2-rank job: {JOB_DESCRIPTION[a.task]}, {MAX_STEPS} steps, a checkpoint every "
              f"{SAVE_EVERY} steps (keep_last 2), an evaluation every {EVAL_EVERY}, one data worker per rank, fp32; "
              f"the ZeRO stage and, for {', '.join(ANY_LAUNCHER)}, the launcher drawn by the seed. The uninterrupted "
              f"run of each stage is the reference.", "", table(episodes), "",

@@ -21,7 +21,7 @@ from engine.ds_config import build_ds_config
 from planner.calibration import CALIBRATION_RATES, calibrated
 from planner.devices import Device
 from planner.estimate import estimate
-from models.registry import model_config
+from models.registry import model_config, width
 
 
 STEP_TOLERANCE = 0.25  # what the planner's calibrated step time is held to on the measured suites
@@ -81,7 +81,7 @@ def validate(results_csv: str, mfu: float = 1.0, intra_gbs: float = 10.0, save: 
         # memory (1e6 GiB) is not the question here
         device = Device(device_type, env["peak_gflops_per_rank"] * 1e9, 1e6, intra_gbs, intra_gbs, 0.0,
                         mem_gbs=mem_gbs)
-        hidden = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size).hidden_size
+        hidden = width(model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size))
         ds_config = jobs[0].get("ds_config")  # as the run had it
         if ds_config is None:  # a run that did not record it: torch's unfused AdamW, DeepSpeed's sub-groups
             ds_config = build_ds_config(cfg, hidden, world, precision)

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from data.loader import IGNORE_INDEX
 from data.masking import masked_inputs
@@ -99,7 +100,10 @@ def _segmentation(engine, loader, normalize, dtype, device, num_labels) -> Evalu
     confusion = torch.zeros(num_labels * num_labels, dtype=torch.float64, device=device)
     shown = None
     for images, masks, batch in batches(engine, loader, normalize, dtype, device):
-        predicted = engine(images).logits.argmax(1)  # (B, H, W): UperNet's logits are upsampled to the input
+        logits = engine(images).logits  # UperNet's at the input's size, SegFormer's at a quarter of it
+        if logits.shape[-2:] != masks.shape[-2:]:  # upsampled as the model's own loss does
+            logits = F.interpolate(logits.float(), size=masks.shape[-2:], mode="bilinear", align_corners=False)
+        predicted = logits.argmax(1)  # (B, H, W)
         counted = masks != IGNORE_INDEX
         confusion += torch.bincount(masks[counted] * num_labels + predicted[counted],
                                     minlength=num_labels * num_labels).to(confusion)

@@ -17,7 +17,7 @@ from engine.ds_config import DTYPES, build_ds_config, resolve_precision
 from engine.memory import zero_memory_bytes
 from engine.optim import freeze, lr_schedule, param_groups
 from engine.tensor_parallel import layout, rank_params, shard_head_biases, tp_config
-from models import build_model
+from models import build_model, width
 from models.blocks import find_blocks
 from models.tasks import build_task_model
 
@@ -80,7 +80,7 @@ def build_engine(model: torch.nn.Module, cfg: Config, world_size: int, device_ty
                  load_universal: bool = False) -> Built:
     """Wrap a freshly built model for training under `cfg`: train.py's path, and every benchmark's.
     `load_universal`: the engine will load a universal checkpoint (one written by another number of ranks)."""
-    precision, ds_config = engine_config(cfg, model.config.hidden_size, world_size)
+    precision, ds_config = engine_config(cfg, width(model.config), world_size)
     if precision != "fp32" and any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
         # DeepSpeed casts the parameters to bf16/fp16 and leaves buffers in fp32 unless told: a batch norm (UperNet's)
         # would meet bf16 weights with fp32 running statistics, which torch's kernels refuse

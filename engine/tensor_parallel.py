@@ -45,6 +45,9 @@ def check_tp(model_config, tp_size: int, world_size: int, ranks_per_node: int):
     """ConfigError unless `tp_size` splits this model's heads and MLP and this launch's nodes."""
     if tp_size == 1:
         return
+    if model_config.model_type not in ("vit", "swin"):
+        raise ConfigError(f"tp_size {tp_size}: tensor parallelism splits ViT and Swin blocks, not "
+                          f"{model_config.model_type}'s; use tp_size 1")
     for where, heads in head_counts(model_config):
         if heads % tp_size:
             raise ConfigError(f"tp_size {tp_size} does not divide the {heads} attention heads of {where} of "

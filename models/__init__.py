@@ -1,4 +1,4 @@
 from models.blocks import Block, find_blocks
-from models.registry import NAMES, build_model, model_config
+from models.registry import NAMES, build_model, model_config, width
 
-__all__ = ["Block", "NAMES", "build_model", "find_blocks", "model_config"]
+__all__ = ["Block", "NAMES", "build_model", "find_blocks", "model_config", "width"]

@@ -1,4 +1,4 @@
-"""Named ViT and Swin sizes, built from config with random init, or pretrained weights from a local Hugging Face
+"""Named ViT, Swin and SegFormer sizes, built from config with random init, or pretrained weights from a local Hugging Face
 directory or a hub model id (fetched by transformers into its cache when the hub can be reached).
 """
 import contextlib
@@ -11,8 +11,9 @@ from urllib.parse import urlparse
 
 import torch
 from torch import nn
-from transformers import (AutoConfig, AutoImageProcessor, AutoModelForImageClassification, SwinConfig,
-                          SwinForImageClassification, ViTConfig, ViTForImageClassification, ViTImageProcessorPil)
+from transformers import (AutoConfig, AutoImageProcessor, AutoModelForImageClassification, SegformerConfig,
+                          SegformerForImageClassification, SwinConfig, SwinForImageClassification, ViTConfig,
+                          ViTForImageClassification, ViTImageProcessorPil)
 
 from engine import compat
 
@@ -48,7 +49,21 @@ SWIN_SIZES = {
     # tokens wide, the CPU-sized Swin-T of the benchmark suite (7x7 windows need 224x224)
     "swin-tiny-w4": (96, (2, 2, 6, 2), (3, 6, 12, 24), 4, 4),
 }
-NAMES = (*VIT_SIZES, *SWIN_SIZES)
+# name: (hidden sizes, depths, heads, decoder width): SegFormer's Mix Transformer encoders MiT-B0 to B5 and their
+# all-MLP decoder (Xie et al. 2021, Table 6), four stages at 1/4 to 1/32 of the image, each stage's attention on
+# keys and values reduced 8, 4, 2 and 1 times
+SEGFORMER_SIZES = {
+    "segformer-debug": ((8, 16, 24, 32), (1, 1, 1, 1), (1, 1, 1, 2), 32),
+    "segformer-b0": ((32, 64, 160, 256), (2, 2, 2, 2), (1, 2, 5, 8), 256),
+    "segformer-b1": ((64, 128, 320, 512), (2, 2, 2, 2), (1, 2, 5, 8), 256),
+    "segformer-b2": ((64, 128, 320, 512), (3, 4, 6, 3), (1, 2, 5, 8), 768),
+    "segformer-b3": ((64, 128, 320, 512), (3, 4, 18, 3), (1, 2, 5, 8), 768),
+    "segformer-b4": ((64, 128, 320, 512), (3, 8, 27, 3), (1, 2, 5, 8), 768),
+    "segformer-b5": ((64, 128, 320, 512), (3, 6, 40, 3), (1, 2, 5, 8), 768),
+}
+NAMES = (*VIT_SIZES, *SWIN_SIZES, *SEGFORMER_SIZES)
+CLASSIFIERS = {"vit": ViTForImageClassification, "swin": SwinForImageClassification,
+               "segformer": SegformerForImageClassification}
 HEAD = "classifier"  # the classification head of transformers' ViT and Swin: what `freeze: backbone` trains
 HUB_TIMEOUT_S = 5.0  # the hub's reachability probe; transformers itself retries an unreachable hub with back-off
 
@@ -73,16 +88,32 @@ def model_config(name: str, num_labels: int, image_size: int, patch_size: int = 
                             **label_args)
         _check_swin_stages(config)
         return config
+    if name in SEGFORMER_SIZES:
+        if patch_size:
+            raise ValueError(f"patch_size {patch_size}: {name}'s patch embeddings are fixed (7x7 at stride 4, then "
+                             f"3x3 at stride 2 per stage); leave patch_size 0")
+        hidden, depths, heads, decoder = SEGFORMER_SIZES[name]
+        config = SegformerConfig(hidden_sizes=list(hidden), depths=list(depths), num_attention_heads=list(heads),
+                                 decoder_hidden_size=decoder, drop_path_rate=drop_path, **label_args)
+        _check_segformer_stages(config, image_size)
+        return config
     overrides = dict(id2label=label_args["id2label"], label2id=label_args["label2id"], image_size=image_size)
     if patch_size:
         overrides["patch_size"] = patch_size
     config = pretrained_config(name, **overrides)
-    if config.model_type == "swin":
+    if config.model_type in ("swin", "segformer"):
         config.drop_path_rate = drop_path
         _check_swin_stages(config)
     elif config.model_type == "vit":
         _check_vit_patches(config)
     return config
+
+
+def width(config) -> int:
+    """A model's hidden size, the widest stage's for SegFormer (whose config lists one per stage): what DeepSpeed's
+    bucket sizes are derived from (engine/ds_config.py)."""
+    sizes = getattr(config, "hidden_sizes", None)
+    return max(sizes) if sizes else config.hidden_size
 
 
 def check_weight_files(model_dir: str):
@@ -159,6 +190,17 @@ def _check_swin_stages(config):
                          f"{config.patch_size * 2 ** (len(config.depths) - 1) * config.window_size}")
 
 
+def _check_segformer_stages(config, image_size: int):
+    """SegFormer's attention reduces a stage's keys and values with a convolution of kernel and stride
+    sr_ratios[i]: a stage fewer tokens wide than that fails inside the forward."""
+    side = image_size
+    for i, (stride, ratio) in enumerate(zip(config.strides, config.sr_ratios)):
+        side = -(-side // stride)  # the overlapping patch embedding pads: ceil(side / stride)
+        if side < ratio:
+            raise ValueError(f"image_size {image_size}: SegFormer's stage {i + 1} is {side} tokens wide, narrower "
+                             f"than the {ratio}x{ratio} reduction of its attention; use image_size >= 32")
+
+
 def module_seed(seed: int, name: str) -> int:
     """The RNG seed of one module's initial weights: the run's seed and the module's name, nothing else."""
     return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") % 2**63
@@ -220,7 +262,7 @@ def add_drop_path(model, rate: float):
 
 def registry_processor(name: str, image_size: int, segmentation: bool = False):
     """The image processor of a registry model: resize to `image_size`, then mean 0.5 and std 0.5 for a ViT (as
-    Google's checkpoints), ImageNet's mean and std for a Swin (as Microsoft's). `segmentation`: SegFormer's
+    Google's checkpoints), ImageNet's mean and std for a Swin and a SegFormer (as their authors'). `segmentation`: SegFormer's
     processor, the one transformers' UperNet checkpoints use, whose post-processing turns logits into label maps
     (pipeline("image-segmentation"))."""
     mean, std = ((0.5,) * 3, (0.5,) * 3) if name in VIT_SIZES else (IMAGENET_MEAN, IMAGENET_STD)
@@ -244,8 +286,7 @@ def build_model(name: str, num_labels: int, image_size: int, patch_size: int = 0
     of another shape, so a pretrained model loads with its own head, which is then replaced."""
     config = model_config(name, num_labels, image_size, patch_size, class_names, drop_path)
     if name in NAMES:
-        cls = ViTForImageClassification if name in VIT_SIZES else SwinForImageClassification
-        model = cls._from_config(config)
+        model = CLASSIFIERS[config.model_type]._from_config(config)
         init_weights(model, seed, gathered)
         processor = registry_processor(name, image_size)
     else:

@@ -5,7 +5,8 @@
                     decoder predicts the masked ones' normalised pixels; ViT only
     simmim          ViTForMaskedImageModeling / SwinForMaskedImageModeling (Xie et al. 2022): masked patches
                     replaced by a learned token, a linear decoder predicts their pixels
-    segmentation    UperNetForSemanticSegmentation over a Swin backbone (Xiao et al. 2018; Liu et al. 2021)
+    segmentation    UperNetForSemanticSegmentation over a Swin backbone (Xiao et al. 2018; Liu et al. 2021), or
+                    SegformerForSemanticSegmentation (Xie et al. 2021): its own encoder and all-MLP decoder
 
 Every model's blocks are found by structure (models/blocks.py), so the checkpointing policies and the ZeRO
 wrapping treat them as a classifier's.
@@ -14,8 +15,10 @@ import contextlib
 import copy
 
 import torch
+import torch.nn.functional as F
 
 from config import ConfigError
+from data.masking import masked_inputs
 from engine import compat
 from models.registry import NAMES, add_drop_path, init_weights, model_config, module_seed, registry_processor
 
@@ -60,6 +63,9 @@ def task_config(name: str, task: str, num_labels: int, image_size: int, patch_si
             decoder_num_attention_heads=MAE_DECODER["heads"] if wide else base.num_attention_heads)
         return config, ViTMAEForPreTraining
     if task == "simmim":
+        if base.model_type not in ("vit", "swin"):
+            raise ConfigError(f"task simmim needs a ViT or a Swin ({name} is a {base.model_type}): transformers has "
+                              f"no masked-image model of it")
         if mask_patch_size and (mask_patch_size % base.patch_size or image_size % mask_patch_size):
             raise ConfigError(f"mask_patch_size {mask_patch_size} must be a multiple of the patch size "
                               f"{base.patch_size} and divide image_size {image_size}")
@@ -68,8 +74,12 @@ def task_config(name: str, task: str, num_labels: int, image_size: int, patch_si
         config.encoder_stride = base.patch_size if vit else base.patch_size * 2 ** (len(base.depths) - 1)
         return config, ViTForMaskedImageModeling if vit else SwinForMaskedImageModeling
     if vit:
-        raise ConfigError(f"task segmentation needs a Swin backbone ({name} is a ViT, whose single-scale features "
-                          f"UperNet cannot use)")
+        raise ConfigError(f"task segmentation needs a Swin backbone or a SegFormer ({name} is a ViT, whose "
+                          f"single-scale features UperNet cannot use)")
+    if base.model_type == "segformer":  # its decoder reads the four stages itself; pixels at 255 are ignored
+        from transformers import SegformerForSemanticSegmentation
+
+        return copy.deepcopy(base), SegformerForSemanticSegmentation
     backbone = copy.deepcopy(base)
     backbone.out_features = [f"stage{i + 1}" for i in range(len(base.depths))]
     config = UperNetConfig(backbone_config=backbone.to_dict(), num_labels=num_labels, id2label=base.id2label,
@@ -116,3 +126,19 @@ def meta_model(cfg):
         model = construct(config)
     add_drop_path(model, cfg.drop_path)  # its masks are saved tensors, which decide where a recompute stops
     return model
+
+
+def task_loss(model, cfg, images: torch.Tensor, targets: torch.Tensor, step: int, slot: int) -> torch.Tensor:
+    """The fp32 loss of `cfg.task` (a train.py config) on one micro-batch, `model` the task's model (or the engine
+    wrapping it), `images` in the model's dtype. `targets`: class indices or soft labels (classification), masks
+    (segmentation), unused by the pretraining tasks, whose masks come from (seed, step, slot) (data/masking.py).
+
+    - classification: cross-entropy with label smoothing;
+    - segmentation: UperNet's own pixel cross-entropy at full size, pixels at IGNORE_INDEX left out;
+    - mae, simmim: the model's own loss, MAE's on normalised pixels, SimMIM's L1, on the masked patches only."""
+    if cfg.task == "classification":
+        return F.cross_entropy(model(images).logits.float(), targets, label_smoothing=cfg.label_smoothing)
+    if cfg.task == "segmentation":
+        return model(images, labels=targets).loss.float()
+    config = model.module.config if hasattr(model, "module") else model.config
+    return model(**masked_inputs(cfg, config, images, step, slot)).loss.float()

@@ -37,12 +37,16 @@ PROBE_WIDTH = 32  # ViT's hidden size, Swin's embedding width in the probe: arit
 def probe_configs(config) -> list:
     """(transformers config, blocks) at two depths of the model's structure at the probe's width: ViT at 4 and
     12 blocks; Swin with every stage 1 and 3 blocks deep (its patch merging, once per stage, stays in the
-    intercept). The depths lie far apart, so that a few milliseconds of noise in either is small against their
+    intercept); SegFormer likewise, each stage at the probe's width. The depths lie far apart, so that a few milliseconds of noise in either is small against their
     difference."""
     out = []
     for scale in (1, 3):
         c = copy.deepcopy(config)
-        if c.model_type == "swin":
+        if c.model_type == "segformer":  # four stages, each `scale` blocks deep, all at the probe's width
+            c.hidden_sizes, c.num_attention_heads = [PROBE_WIDTH] * 4, [1] * 4
+            c.depths, c.decoder_hidden_size = [scale] * 4, PROBE_WIDTH
+            blocks = 4 * scale
+        elif c.model_type == "swin":
             c.embed_dim = PROBE_WIDTH // 2
             c.depths, c.num_heads = [scale] * len(config.depths), [1] * len(config.depths)
             c.hidden_size = c.embed_dim * 2 ** (len(config.depths) - 1)
@@ -81,8 +85,9 @@ def _engine_seconds(config, run: Config, world_size: int, images, labels, device
 
     from ac.policies import apply_activation_checkpointing
     from engine.parallelize import apply_zero
+    from models.registry import width
 
-    ds_config = build_ds_config(run, config.hidden_size, world_size, run.precision)
+    ds_config = build_ds_config(run, width(config), world_size, run.precision)
     model = AutoModelForImageClassification.from_config(config).to(device, dtype)
 
     def bare():

@@ -192,6 +192,19 @@ def launch(args, nproc=2, launcher="fork", timeout=300, check=True, warnings=Fal
     return proc
 
 
+def fork_start(start):
+    """benchmarks/fault_injection.start, with a `fork` launcher: a 2-rank ForkedJob writing to the episode's log."""
+    def started(launcher, args, log_path, env_extra=None):
+        if launcher != "fork":
+            return start(launcher, args, log_path, env_extra)
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **(env_extra or {}))
+        env.pop("RANK", None)
+        job = ForkedJob(args, 2, env, output=log_path)
+        job.log = open(log_path, "a")  # what fault_injection.finish closes
+        return job
+    return started
+
+
 def launcher_command(launcher, nproc, port, accelerate_config=None):
     if accelerate_config:
         return [f"{BIN}/accelerate", "launch", "--config_file", accelerate_config, "--num_processes", str(nproc),

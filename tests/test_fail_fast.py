@@ -41,7 +41,7 @@ def test_an_exception_on_one_rank_ends_the_job_in_seconds(debug_args, tmp_path, 
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert seconds < 60  # start-up included; the default dist_timeout is 1800 s
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error: rank 1 failed")]
-    assert lines == [f"error: rank 1 failed at step 3: RuntimeError: injected: cross_entropy failed (traceback: "
+    assert lines == [f"error: rank 1 failed at step 3: RuntimeError: injected: the task's loss failed (traceback: "
                      f"{out}/errors/rank1.txt)"], proc.stderr[-3000:]
     assert "Traceback (most recent call last)" in (out / "errors" / "rank1.txt").read_text()
     assert "rank 0: stopping at step 3, because rank 1 failed" in proc.stderr

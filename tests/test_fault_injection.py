@@ -3,10 +3,8 @@ tests do not already inject (a kill mid-save, mid-evaluation and mid-export, a f
 truncated shard, and preemption, stalls and a dead rank under the launchers not covered there), each continued with
 `--resume latest` and compared with the uninterrupted debug run of conftest.stage_runs. The faults whose launcher
 plays no part (the job killed whole, or not ended) hit jobs forked from conftest's zygote (`fork`)."""
-import os
-
 import pytest
-from conftest import DEBUG_ARGS, ForkedJob
+from conftest import DEBUG_ARGS, fork_start
 
 from benchmarks import fault_injection
 from benchmarks.fault_injection import Episode, can_mount, run_all
@@ -23,19 +21,6 @@ CASES = [("kill-save", 3, "fork"), ("kill-eval", 2, "fork"), ("kill-export", 1, 
 def _id(case):
     kind, stage, launcher = case.values if hasattr(case, "values") else case
     return f"{kind}-zero{stage}-{launcher}"
-
-
-def fork_start(start):
-    """fault_injection.start, with the `fork` launcher: a 2-rank ForkedJob writing to the episode's log."""
-    def started(launcher, args, log_path, env_extra=None):
-        if launcher != "fork":
-            return start(launcher, args, log_path, env_extra)
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **(env_extra or {}))
-        env.pop("RANK", None)
-        job = ForkedJob(args, 2, env, output=log_path)
-        job.log = open(log_path, "a")  # what fault_injection.finish closes
-        return job
-    return started
 
 
 @pytest.mark.parametrize("kind,stage,launcher", CASES, ids=[_id(c) for c in CASES])

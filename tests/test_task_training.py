@@ -12,8 +12,10 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, check_input, launch, read_metrics, seg_shards
+from conftest import REPO, check_input, fork_start, launch, read_metrics, seg_shards
 from safetensors.torch import load_file
+
+from benchmarks.fault_injection import arg
 
 # each task's arguments: SimMIM on the Swin masks 4x4-pixel blocks of its 2-pixel patches; segmentation reads
 # 11 classes (background and the ten digits)
@@ -21,7 +23,9 @@ TASKS = {
     "mae": ["--model", "vit-debug", "--mask_ratio", "0.75"],
     "simmim": ["--model", "swin-debug", "--mask_ratio", "0.6", "--mask_patch_size", "4"],
     "segmentation": ["--model", "swin-debug", "--num_labels", "11", "--label_smoothing", "0"],
+    "segformer": ["--model", "segformer-debug", "--num_labels", "11", "--label_smoothing", "0", "--image_size", "32"],
 }
+TASK = {"segformer": "segmentation"}  # the task of each case not named after its task
 METRIC = {"mae": "val_loss", "simmim": "val_loss", "segmentation": "val_miou"}
 
 
@@ -29,13 +33,14 @@ METRIC = {"mae": "val_loss", "simmim": "val_loss", "segmentation": "val_miou"}
 def task_args(request, debug_args):
     """debug_args with the task's own shards and arguments."""
     def args(task):
+        task, case = TASK.get(task, task), task
         shards = seg_shards(request.getfixturevalue("digits_seg")) if task == "segmentation" else []
-        return debug_args + shards + TASKS[task] + ["--task", task]
+        return debug_args + shards + TASKS[case] + ["--task", task]
     return args
-# ZeRO-3 of MAE and segmentation in the default run; ZeRO-1 and 2, and SimMIM (whose path differs from MAE's by
-# the mask's form alone), under `-m slow`
-CASES = [pytest.param(task, stage, marks=[pytest.mark.slow] if stage != 3 or task == "simmim" else [],
-                      id=f"{task}-zero{stage}") for task in TASKS for stage in (1, 2, 3)]
+# ZeRO-3 of MAE and UperNet segmentation in the default run; ZeRO-1 and 2, SimMIM (whose path differs from
+# MAE's by the mask's form alone) and SegFormer (segmentation's path with another model) under `-m slow`
+CASES = [pytest.param(task, stage, marks=[pytest.mark.slow] if stage != 3 or task in ("simmim", "segformer")
+                      else [], id=f"{task}-zero{stage}") for task in TASKS for stage in (1, 2, 3)]
 STEPS, SAVED = 8, 4
 
 
@@ -59,7 +64,8 @@ def state_dict(model_dir):
 
 @pytest.mark.parametrize("task,stage", CASES)
 def test_policy_resume_and_elastic_resume_continue_the_run_bitwise(task_args, tmp_path, task, stage):
-    args = task_args(task) + ["--zero_stage", stage, "--max_steps", STEPS, "--micro_batch_size", 8,
+    case, task = task, TASK.get(task, task)
+    args = task_args(case) + ["--zero_stage", stage, "--max_steps", STEPS, "--micro_batch_size", 8,
                               "--warmup_steps", 2, "--eval_every", SAVED]
     full = tmp_path / "full"
     launch(args + ["--save_every", SAVED, "--output_dir", full])
@@ -135,24 +141,56 @@ def test_mae_exports_its_pretraining_model_and_an_encoder_that_fine_tunes(task_a
     assert classifier.config.model_type == "vit" and classifier.classifier.out_features == 10
 
 
-def test_the_segmentation_export_loads_in_the_pipeline_and_tensorboard_shows_masks(task_args, tmp_path):
+@pytest.mark.parametrize("case", ["segmentation", "segformer"])  # UperNet over a Swin; SegFormer
+def test_the_segmentation_export_loads_in_the_pipeline_and_tensorboard_shows_masks(task_args, tmp_path, case):
+    """SegFormer's logits, at a quarter of the image, are upsampled to the masks for the metrics."""
     from PIL import Image
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from transformers import pipeline
 
-    launch(task_args("segmentation") + ["--max_steps", 2, "--eval_every", 2, "--save_every", 0, "--ema_decay", 0.9,
+    launch(task_args(case) + ["--max_steps", 2, "--eval_every", 2, "--save_every", 0, "--ema_decay", 0.9,
                                         "--output_dir", tmp_path], nproc=1)
     summary = json.load(open(tmp_path / "summary.json"))
     assert 0 <= summary["val_ema_miou"] <= 1 and 0 <= summary["val_ema_pixel_acc"] <= 1
     assert 0 <= summary["val_miou"] <= 1 and 0 <= summary["val_pixel_acc"] <= 1
-    confusion = np.array(summary["confusion"])  # pixels: 359 images of 16x16, none ignored
-    assert confusion.shape == (11, 11) and confusion.sum() == 359 * 16 * 16
+    side = int(arg(task_args(case), "image_size"))
+    confusion = np.array(summary["confusion"])  # pixels: 359 images, none ignored
+    assert confusion.shape == (11, 11) and confusion.sum() == 359 * side * side
     assert np.trace(confusion) / confusion.sum() == pytest.approx(summary["val_pixel_acc"])
     events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"images": 0}).Reload()
     assert [e.step for e in events.Images("val/masks")] == [2]
     segment = pipeline("image-segmentation", model=str(tmp_path / "hf_model"))
     labels = [r["label"] for r in segment(Image.new("RGB", (16, 16)))]
     assert labels and set(labels) <= {"background", *map(str, range(10))}
+
+
+# SimMIM's job differs from MAE's by the mask's form alone: under -m slow
+@pytest.mark.parametrize("task", ["mae", "segmentation", pytest.param("simmim", marks=pytest.mark.slow)])
+def test_preemption_and_a_kill_mid_evaluation_are_survived(digits, digits_seg, tmp_path, monkeypatch, task):
+    """The fault harness (benchmarks/fault_injection.py) on each task's job, ZeRO-3, 20 steps: SIGTERM to the job
+    at a step the seed draws (the ranks finish it, checkpoint it and exit; the relaunch continues from it) and
+    kill -9 while rank 0 runs the task's evaluation (the relaunch continues from the newest checkpoint). Each
+    run ends with the uninterrupted run's losses and exported weights, bitwise."""
+    from benchmarks import fault_injection
+    from benchmarks.fault_injection import Episode, job_args, run_all
+
+    monkeypatch.setattr(fault_injection, "start", fork_start(fault_injection.start))
+    shards = digits if task != "segmentation" else {"dir": str(digits_seg), "val": f"{digits_seg}/val-000000.tar",
+                                                     "train": f"{digits_seg}/train-{{000000..000003}}.tar"}
+    base = job_args(task) + ["--max_steps", 20, "--save_every", 5, "--eval_every", 10, "--num_workers", 0]
+    reference = tmp_path / "reference"
+    launch(base + ["--zero_stage", 3, "--train_shards", shards["train"], "--val_shards", shards["val"],
+                   "--output_dir", reference])
+    episodes = [Episode(kind=kind, stage=3, launcher="fork", aim="") for kind in ("sigterm", "kill-eval")]
+    run_all(episodes, 0, base, shards, {3: str(reference)}, str(tmp_path), log=lambda s: None)
+    for ep in episodes:
+        detail = f"{ep}\n{open(next(tmp_path.glob(f'*-{ep.kind}')) / 'log.txt').read()[-3000:]}"
+        assert ep.hit and ep.finished and not ep.lost, detail
+        assert len(ep.exit_codes) == 2 and ep.exit_codes[0] != 0 and ep.exit_codes[1] == 0, detail
+        assert ep.compared_steps == 20 and ep.losses_equal and ep.weights_equal, detail
+    sigterm, kill = episodes
+    assert sigterm.steps_lost == 0, sigterm  # the preempted step was checkpointed
+    assert kill.steps_lost < 5, kill
 
 
 @pytest.mark.parametrize("args,message", [

@@ -4,7 +4,7 @@ Put this folder on PYTHONPATH and set one of the variables below: Python imports
 of the job starts, and this one patches the functions a fault hits as their modules are imported. Without the
 variables it installs nothing; train.py itself reads none of them.
 
-    INJECT_RAISE=RANK:N         the Nth call of torch.nn.functional.cross_entropy on RANK raises a RuntimeError
+    INJECT_RAISE=RANK:N         the Nth training loss (models.tasks.task_loss) on RANK raises a RuntimeError
     INJECT_NAN_AT=S1,S2         every loss of the steps S1, S2 (every rank) is NaN
     INJECT_ENOSPC_AT=S:R,...    rank R's checkpoint files at step S are cut half-way and fail with ENOSPC, as on a
                                 full disk
@@ -63,17 +63,17 @@ def track_steps(distributed):
     distributed.Heartbeat.beat = traced
 
 
-def faulty_loss(functional):
-    cross_entropy, calls = functional.cross_entropy, [0]
+def faulty_loss(tasks):
+    task_loss, calls = tasks.task_loss, [0]
     raise_rank, raise_at = map(int, RAISE.split(":")) if RAISE else (None, None)
 
     def loss(*args, **kwargs):
         calls[0] += 1
         if calls[0] == raise_at and rank() == raise_rank:
-            raise RuntimeError("injected: cross_entropy failed")
-        out = cross_entropy(*args, **kwargs)
+            raise RuntimeError("injected: the task's loss failed")
+        out = task_loss(*args, **kwargs)
         return out * float("nan") if STEP[0] in NAN_AT else out
-    functional.cross_entropy = loss
+    tasks.task_loss = loss
 
 
 def full_disk(checkpoint):
@@ -107,6 +107,6 @@ def full_disk(checkpoint):
 if NAN_AT:
     patch_after_import("engine.distributed", track_steps)
 if RAISE or NAN_AT:
-    patch_after_import("torch.nn.functional", faulty_loss)
+    patch_after_import("models.tasks", faulty_loss)
 if ENOSPC_AT:
     patch_after_import("engine.checkpoint", full_disk)
