@@ -106,9 +106,9 @@ class Profile(list):
     Swin's patch merging, the final norm and head), which no policy changes; the whole forward's FLOPs, and the
     operators it dispatches (views excepted: each of the others is at least one kernel launch on a GPU), and the
     bytes its memory-bound operators (norms, activations, softmax, adds, copies) read and write. `grad_outside`:
-    what the backward of the layers outside the blocks holds beside the activations, first in the backward:
-    an operator's output gradient and its input's, each counted at the largest tensor saved there (a
-    segmentation decoder's full-resolution features)."""
+    what the backward of the layers outside the blocks (the head's, first in the backward) holds beside the
+    activations, counted as one gradient the size of the largest tensor saved there (a segmentation decoder's
+    fused features): an approximation, checked against measured steps by benchmarks/task_memory.py."""
     bytes_outside: int = 0
     grad_outside: int = 0
     forward_flops: int = 0
@@ -179,7 +179,7 @@ def profile_blocks(model, images: torch.Tensor) -> Profile:
     out.forward_flops, out.ops, out.moved_bytes = flops.get_total_flops(), recorder.ops, recorder.moved
     in_blocks = {ptr for b in blocks for ptr in saved[b.name]}
     outside = [n for ptr, n in saved.get(None, {}).items() if ptr not in in_blocks]
-    out.bytes_outside, out.grad_outside = sum(outside), 2 * max(outside, default=0)
+    out.bytes_outside, out.grad_outside = sum(outside), max(outside, default=0)
     for b in blocks:
         f = sum(per_module.get(f"{type(model).__name__}.{b.name}", {}).values())
         none = sum(saved[b.name].values())

@@ -1,13 +1,13 @@
 """The digits end to end for the tasks beyond classification: MAE pretraining then fine-tuning of its encoder,
-against the same fine-tuning from random weights, and the segmentation default, each trained to the end on
-2 CPU ranks with its recipe in configs/.
+against the same fine-tuning from random weights, and the segmentation default (UperNet over a Swin) with
+SegFormer-B0 on the same recipe, each trained to the end on 2 CPU ranks with its recipe in configs/.
 
-    .venv/bin/python -m benchmarks.digits_tasks              # ~13 min on 2 cores
+    .venv/bin/python -m benchmarks.digits_tasks              # ~18 min on 2 cores
     .venv/bin/python -m benchmarks.digits_tasks --report_only
 
 Runs are `train.py` itself under torchrun, in a temporary directory. Writes benchmarks/results/digits-tasks/:
 runs.jsonl (each run's evaluations and summary), results.md and curves.png (MAE's val loss; val top-1 of the
-fine-tuning from MAE and from random weights; the segmentation's val mIoU and pixel accuracy).
+fine-tuning from MAE and from random weights; each segmentation's val mIoU and pixel accuracy).
 """
 import argparse
 import datetime
@@ -51,6 +51,8 @@ def run_all(tmp: str) -> list:
                               "vit-digits"), label="the same fine-tuning from random weights"))
     runs.append(dict(torchrun("configs/digits-segmentation.yaml", os.path.join(tmp, "seg")),
                      label="segmentation (UperNet over swin-digits)"))
+    runs.append(dict(torchrun("configs/digits-segmentation.yaml", os.path.join(tmp, "segformer"), "--model",
+                              "segformer-b0"), label="segmentation (SegFormer-B0)"))
     return runs
 
 
@@ -72,8 +74,12 @@ def report(runs: list, when: str):
                      label=run["label"])
     axes[1].set(title="fine-tuning (configs/digits-mae-finetune.yaml)", xlabel="step", ylabel="val top-1 (%)")
     axes[1].legend(fontsize=8)
-    for key, style in (("val_miou", "o-"), ("val_pixel_acc", "s--")):
-        axes[2].plot([e["step"] for e in seg["evals"]], [100 * e[key] for e in seg["evals"]], style, label=key[4:])
+    segformer = by.get("segmentation (SegFormer-B0)")
+    for run, name in ((seg, "UperNet"), (segformer, "SegFormer-B0")):
+        for key, style in (("val_miou", "o-"), ("val_pixel_acc", "s--")):
+            if run:
+                axes[2].plot([e["step"] for e in run["evals"]], [100 * e[key] for e in run["evals"]], style,
+                             label=f"{name} {key[4:]}")
     axes[2].set(title="segmentation (configs/digits-segmentation.yaml)", xlabel="step", ylabel="%")
     axes[2].legend(fontsize=8)
     fig.tight_layout()
@@ -93,8 +99,9 @@ def report(runs: list, when: str):
     for run in (ft, scratch):
         lines.append(f"| {run['label']} | {run['summary']['step']} | val top-1 {run['summary']['val_top1']:.2%} "
                      f"(at step {run['evals'][0]['step']}: {run['evals'][0]['val_top1']:.2%}) | {minutes(run)} |")
-    lines.append(f"| {seg['label']} | {seg['summary']['step']} | val mIoU {seg['summary']['val_miou']:.2%}, pixel "
-                 f"accuracy {seg['summary']['val_pixel_acc']:.2%} | {minutes(seg)} |")
+    for run in (seg, segformer) if segformer else (seg,):
+        lines.append(f"| {run['label']} | {run['summary']['step']} | val mIoU {run['summary']['val_miou']:.2%}, "
+                     f"pixel accuracy {run['summary']['val_pixel_acc']:.2%} | {minutes(run)} |")
     lines += ["", "![curves](curves.png)", ""]
     with open(os.path.join(OUT, "results.md"), "w") as f:
         f.write("\n".join(lines))

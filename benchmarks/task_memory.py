@@ -3,13 +3,15 @@ step, on shapes no other suite runs.
 
     .venv/bin/python -m benchmarks.task_memory                    # ~15 min on 2 cores: the committed results
     .venv/bin/python -m benchmarks.task_memory --quick --out /tmp/tm   # tiny models, a check of the harness
+    .venv/bin/python -m benchmarks.task_memory --report_only      # the planner's predictions again, nothing run
 
 Each configuration is one 2-rank job of bench_worker.py (train.py's own build, wrapping and task loss; fp32 on
 CPU): its peak is the largest allocation of either rank over the profiled steps, read from the profiler's memory
 events, weights, gradients, optimizer states and activations included. The prediction is `estimate()`'s
 `peak_bytes` for the same run config and the DeepSpeed config the job ran with (plan.py's figure). Memory is a
-property of the configuration, not a timing: one job per configuration. Writes results.json, results.md and
-environment.json under benchmarks/results/task-memory/.
+property of the configuration, not a timing: one job per configuration. Writes results.json (each job's
+measurements and DeepSpeed config), results.md and environment.json under benchmarks/results/task-memory/;
+`--report_only` predicts the stored jobs again with the planner as it is now.
 """
 import argparse
 import json
@@ -96,11 +98,25 @@ def table(rows: list) -> str:
                                f"{worst['error']:+.1%} ({worst['label']}, ZeRO-{worst['zero']} {worst['ac']}).")
 
 
+def predict(rows: list) -> list:
+    """Each measured job's row with plan.py's prediction for it (from its case and the DeepSpeed config it ran)."""
+    out = []
+    for row in rows:
+        case = Case(**{k: row[k] for k in Case.__dataclass_fields__})
+        plan = predicted(case, row["ds_config"], row["world_size"])
+        out.append({**row, "params": plan["params"], "plan": plan["plan"], "peak_predicted": plan["peak"],
+                    "error": plan["peak"] / row["peak_measured"] - 1, "activations_predicted": plan["activations"]})
+    return out
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="", help="output directory (default: benchmarks/results/task-memory)")
-    parser.add_argument("--quick", action="store_true", help="tiny models: checks the harness, not the planner")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny models: checks the harness, not the planner (exit 0 whatever the errors)")
     parser.add_argument("--threads", type=int, default=1, help="threads per rank")
+    parser.add_argument("--report_only", action="store_true",
+                        help="predict the jobs of the out directory's results.json again and rewrite results.md")
     args = parser.parse_args(argv)
     import torch
 
@@ -110,27 +126,32 @@ def main(argv=None):
 
     out = args.out or os.path.join(REPO, "benchmarks", "results", "task-memory")
     os.makedirs(out, exist_ok=True)
-    rows = []
-    for case in tqdm(cases(args.quick), desc="task memory", dynamic_ncols=True):
-        result = measure(case, args.threads)
-        plan = predicted(case, result["ds_config"], result["world_size"])
-        peak = max(result["peak_alloc_bytes"])
-        rows.append({**case.__dict__, "label": case.label, "params": plan["params"], "plan": plan["plan"],
-                     "peak_predicted": plan["peak"], "peak_measured": peak, "error": plan["peak"] / peak - 1,
-                     "activations_predicted": plan["activations"],
-                     "activations_measured": max(result["activation_bytes"]), "losses": result["losses"]})
-    env = environment(args.threads, gemm_gflops(args.threads))
+    if args.report_only:
+        with open(os.path.join(out, "results.json")) as f:
+            rows = predict(json.load(f))
+        with open(os.path.join(out, "environment.json")) as f:
+            env = json.load(f)
+    else:
+        rows = []
+        for case in tqdm(cases(args.quick), desc="task memory", dynamic_ncols=True):
+            result = measure(case, args.threads)
+            rows += predict([{**case.__dict__, "label": case.label, "peak_measured": max(result["peak_alloc_bytes"]),
+                              "activations_measured": max(result["activation_bytes"]),
+                              "losses": result["losses"], "world_size": result["world_size"],
+                              "ds_config": result["ds_config"]}])
+        env = environment(args.threads, gemm_gflops(args.threads))
+        with open(os.path.join(out, "environment.json"), "w") as f:
+            json.dump(env, f, indent=1)
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(rows, f, indent=1)
-    with open(os.path.join(out, "environment.json"), "w") as f:
-        json.dump(env, f, indent=1)
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(f"# The planner's peak memory per task against a measured step\n\n`python -m benchmarks.task_memory`"
                 f" | {env['date']} | commit {env['git_commit']} | {env['cpu']}, 2 ranks x {args.threads} thread | "
                 f"torch {env['torch']}, deepspeed {env['deepspeed']}, transformers {env['transformers']} | fp32\n\n"
                 f"Measured: the larger rank's peak allocation over two training steps (the profiler's memory "
-                f"events). Predicted: plan.py's peak for the same configuration. Activations: the planned peak, "
-                f"and what the measured forward left allocated for the backward.\n\n{table(rows)}\n")
+                f"events). Predicted: plan.py's peak for the same configuration and the DeepSpeed config the job ran"
+                f"{' (predicted again with `--report_only`)' if args.report_only else ''}. Activations: the planned "
+                f"peak, and what the measured forward left allocated for the backward.\n\n{table(rows)}\n")
     print(table(rows))
     return 0 if all(abs(r["error"]) <= TOLERANCE for r in rows) or args.quick else 1
 

@@ -270,3 +270,21 @@ def test_a_micro_batch_that_does_not_divide_the_global_batch_is_refused():
     assert micro_and_accum(suite, Shape("m", 16, 0, 4, "s"), Run("fsdp2", "none", micro=8)) == (8, 4)
     with pytest.raises(ValueError, match="do not divide the global batch 64"):
         micro_and_accum(suite, Shape("m", 16, 0, 4, "s"), Run("fsdp2", "none", micro=12))
+
+
+@pytest.mark.slow
+def test_task_memory_measures_each_job_and_predicts_it_again(tmp_path):
+    """benchmarks/task_memory.py --quick (two tiny 2-rank jobs, MAE and UperNet) and --report_only: each row has a
+    measured peak and the planner's prediction for the DeepSpeed config the job ran, and a rerun of the report
+    predicts the same without running anything."""
+    from benchmarks import task_memory
+
+    assert task_memory.main(["--quick", "--out", str(tmp_path)]) == 0
+    rows = json.load(open(tmp_path / "results.json"))
+    assert [r["task"] for r in rows] == ["mae", "segmentation"]
+    assert all(r["peak_measured"] > 0 and r["peak_predicted"] > 0 and r["ds_config"]["zero_optimization"]["stage"] == 3
+               for r in rows)
+    before = (tmp_path / "results.md").read_text()
+    assert task_memory.main(["--report_only", "--quick", "--out", str(tmp_path)]) == 0  # quick: exit 0 at any error
+    assert [r["peak_predicted"] for r in json.load(open(tmp_path / "results.json"))] == [r["peak_predicted"] for r in rows]
+    assert "predicted again" in (tmp_path / "results.md").read_text() and "predicted again" not in before

@@ -67,14 +67,17 @@ def pretrained(tmp_path_factory):
 def test_recipe_runs_shrunk(name, digits, pretrained, request, tmp_path):
     keys = recipe(name)
     task = keys.get("task", "classification")
-    model = pretrained if "/" in keys["model"] else ("swin-debug" if keys["model"].startswith("swin") else "vit-debug")
+    family = keys["model"].split("-")[0]
+    model = pretrained if "/" in keys["model"] else {"swin": "swin-debug", "segformer": "segformer-debug"}.get(
+        family, "vit-debug")
+    size = 32 if family == "segformer" else 16  # SegFormer's first stage reduces its keys 8x8: 32 px at least
     if task == "segmentation":  # the digits on a canvas: 11 classes
         shards, labels = seg_shards(request.getfixturevalue("digits_seg")), 11
     else:
         shards, labels = ["--train_shards", digits["train"], "--val_shards", digits["val"]], 10
     masks = ["--mask_patch_size", 4] if task == "simmim" else []  # 16 px: four blocks a side
     out = tmp_path / "run"
-    launch(["--config", f"configs/{name}", "--model", model, "--num_labels", labels, "--image_size", 16, *shards,
+    launch(["--config", f"configs/{name}", "--model", model, "--num_labels", labels, "--image_size", size, *shards,
             *masks, "--micro_batch_size", 8, "--max_steps", 2, "--warmup_steps", 1, "--eval_every", 0,
             "--save_every", 0, "--num_workers", 0, "--shuffle_buffer", 100, "--progress", "false",
             "--output_dir", out], timeout=180)  # 2 ranks

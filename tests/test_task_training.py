@@ -207,6 +207,11 @@ def test_preemption_and_a_kill_mid_evaluation_are_survived(digits, digits_seg, t
      "error: image_size 15 is not a multiple of patch_size 2"),
     (["--task", "depth"], "error: config key 'task' must be one of"),
     (["--task", "mae", "--tp_size", "2"], "error: task mae with tp_size > 1"),
+    (["--task", "segmentation", "--model", "segformer-debug", "--num_labels", "11", "SEG"],
+     "error: image_size 16: SegFormer's stage 1 is 4 tokens wide, narrower than the 8x8 reduction"),
+    (["--model", "segformer-debug", "--image_size", "32", "--tp_size", "2"],
+     "error: tp_size 2: tensor parallelism splits ViT and Swin blocks, not segformer's"),
+    (["--model", "segformer-b0", "--patch_size", "4"], "error: patch_size 4: segformer-b0's patch embeddings are fixed"),
 ])
 def test_a_task_the_model_or_input_cannot_take_is_one_line(debug_args, digits_seg, tmp_path, capsys, monkeypatch,
                                                            args, message):

@@ -15,12 +15,14 @@ MODELS = {
     "vit simmim": ("vit-debug", "simmim", 16),
     "swin simmim": ("swin-debug", "simmim", 32),
     "swin segmentation": ("swin-debug", "segmentation", 32),
+    "segformer segmentation": ("segformer-debug", "segmentation", 32),
 }
 BLOCKS = {
     "vit mae": ["vit.layers.0", "vit.layers.1", "decoder.decoder_layers.0"],
     "vit simmim": ["vit.layers.0", "vit.layers.1"],
     "swin simmim": ["swin.encoder.layers.0.blocks.0", "swin.encoder.layers.1.blocks.0"],
     "swin segmentation": ["backbone.swin.encoder.layers.0.blocks.0", "backbone.swin.encoder.layers.1.blocks.0"],
+    "segformer segmentation": [f"segformer.stages.{i}.blocks.0" for i in range(4)],
 }
 
 
@@ -44,6 +46,7 @@ def loss_and_grads(name: str, task: str, image_size: int, ac: str):
     # the blocks' profile from one forward of the images (what `selective` keeps and `hierarchical` reads)
     plan = apply_activation_checkpointing(model, ac, "cpu", profile_images=batch["pixel_values"], log=lambda *_: None)
     assert [b["policy"] for b in plan["blocks"]].count("none") < len(plan["blocks"]) or ac == "none"
+    torch.manual_seed(0)  # SegFormer's decoder drops out
     loss = model(**batch).loss
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
@@ -51,7 +54,7 @@ def loss_and_grads(name: str, task: str, image_size: int, ac: str):
 
 @pytest.mark.parametrize("case", list(MODELS), ids=list(MODELS))
 def test_every_policy_gives_nones_loss_and_gradients_bitwise(case):
-    """MAE (encoder and decoder blocks), SimMIM on ViT and Swin, UperNet over Swin: the blocks are found by
+    """MAE (encoder and decoder blocks), SimMIM on ViT and Swin, UperNet over Swin, SegFormer: the blocks are found by
     structure, and under full, selective, every other block and hierarchical recompute the loss and every
     gradient equal `none`'s bitwise (one process; the masks fixed by seed, step and slot)."""
     name, task, size = MODELS[case]
@@ -104,6 +107,8 @@ def test_simmim_masks_whole_blocks_at_the_ratio_and_repeat_with_seed_step_and_sl
     ("swin-debug", "mae", "task mae needs a ViT"),
     ("vit-debug", "segmentation", "task segmentation needs a Swin backbone"),
     ("vit-debug", "depth", "unknown task 'depth'"),
+    ("segformer-debug", "mae", "task mae needs a ViT"),
+    ("segformer-debug", "simmim", "task simmim needs a ViT or a Swin"),
 ])
 def test_a_task_the_model_cannot_do_is_one_error(name, task, message):
     with pytest.raises(ConfigError, match=message):
