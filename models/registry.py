@@ -1,5 +1,5 @@
-"""Named ViT, Swin and SegFormer sizes, built from config with random init, or pretrained weights from a local Hugging Face
-directory or a hub model id (fetched by transformers into its cache when the hub can be reached).
+"""Named ViT, Swin and SegFormer sizes, built from config with random init, or pretrained weights from a local
+Hugging Face directory or a hub model id (fetched by transformers into its cache when the hub can be reached).
 """
 import contextlib
 import copy
@@ -101,9 +101,12 @@ def model_config(name: str, num_labels: int, image_size: int, patch_size: int = 
     if patch_size:
         overrides["patch_size"] = patch_size
     config = pretrained_config(name, **overrides)
-    if config.model_type in ("swin", "segformer"):
+    if config.model_type == "swin":
         config.drop_path_rate = drop_path
         _check_swin_stages(config)
+    elif config.model_type == "segformer":
+        config.drop_path_rate = drop_path
+        _check_segformer_stages(config, image_size)
     elif config.model_type == "vit":
         _check_vit_patches(config)
     return config
@@ -262,9 +265,9 @@ def add_drop_path(model, rate: float):
 
 def registry_processor(name: str, image_size: int, segmentation: bool = False):
     """The image processor of a registry model: resize to `image_size`, then mean 0.5 and std 0.5 for a ViT (as
-    Google's checkpoints), ImageNet's mean and std for a Swin and a SegFormer (as their authors'). `segmentation`: SegFormer's
-    processor, the one transformers' UperNet checkpoints use, whose post-processing turns logits into label maps
-    (pipeline("image-segmentation"))."""
+    Google's checkpoints), ImageNet's mean and std for a Swin and a SegFormer (as their authors').
+    `segmentation`: SegFormer's processor, the one transformers' UperNet checkpoints use, whose post-processing
+    turns logits into label maps (pipeline("image-segmentation"))."""
     mean, std = ((0.5,) * 3, (0.5,) * 3) if name in VIT_SIZES else (IMAGENET_MEAN, IMAGENET_STD)
     if segmentation:
         from transformers import SegformerImageProcessorPil
