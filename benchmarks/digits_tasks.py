@@ -19,7 +19,6 @@ import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(REPO, "benchmarks", "results", "digits-tasks")
-SEG_SHARDS = os.path.join(REPO, "data", "digits-seg")
 
 
 def torchrun(recipe: str, out: str, *overrides) -> dict:
@@ -41,8 +40,10 @@ def torchrun(recipe: str, out: str, *overrides) -> dict:
 
 
 def run_all(tmp: str) -> list:
-    if not os.path.isfile(os.path.join(SEG_SHARDS, "_info.json")):
-        subprocess.run([sys.executable, "data/make_shards.py", "digits-seg", SEG_SHARDS], cwd=REPO, check=True)
+    for name in ("digits", "digits-seg"):  # the recipes' shards, as `make data` writes them
+        if not os.path.isfile(os.path.join(REPO, "data", name, "_info.json")):
+            subprocess.run([sys.executable, "data/make_shards.py", name, os.path.join("data", name)], cwd=REPO,
+                           check=True)
     mae = os.path.join(tmp, "mae")
     runs = [dict(torchrun("configs/digits-mae.yaml", mae), label="MAE pretraining")]
     runs.append(dict(torchrun("configs/digits-mae-finetune.yaml", os.path.join(tmp, "ft"), "--model",

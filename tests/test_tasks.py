@@ -113,3 +113,15 @@ def test_simmim_masks_whole_blocks_at_the_ratio_and_repeat_with_seed_step_and_sl
 def test_a_task_the_model_cannot_do_is_one_error(name, task, message):
     with pytest.raises(ConfigError, match=message):
         build_task_model(name, task, 10, 32)
+
+
+def test_a_model_without_blocks_found_is_one_error():
+    """A model whose blocks the structure search does not find (a ResNet: no attention in its ModuleLists) is a
+    ConfigError naming it, under every policy, `none` included (ZeRO-3's block gathering needs them too)."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    model = ResNetForImageClassification(ResNetConfig(embedding_size=8, hidden_sizes=[8, 8], depths=[1, 1]))
+    assert find_blocks(model) == []
+    for ac in ("none", "full"):
+        with pytest.raises(ConfigError, match=f"ac '{ac}': no transformer blocks found in ResNetForImageClassification"):
+            apply_activation_checkpointing(model, ac, "cpu", log=lambda *_: None)
