@@ -1,13 +1,14 @@
 """The digits end to end for the tasks beyond classification: MAE pretraining then fine-tuning of its encoder,
-against the same fine-tuning from random weights, and the segmentation default (UperNet over a Swin) with
-SegFormer-B0 on the same recipe, each trained to the end on 2 CPU ranks with its recipe in configs/.
+against the same fine-tuning from random weights, SimMIM pretraining of a Swin, and the segmentation default
+(UperNet over a Swin) with SegFormer-B0 on the same recipe, each trained to the end on 2 CPU ranks with its
+recipe in configs/.
 
-    .venv/bin/python -m benchmarks.digits_tasks              # ~18 min on 2 cores
+    .venv/bin/python -m benchmarks.digits_tasks              # ~20 min on 2 cores
     .venv/bin/python -m benchmarks.digits_tasks --report_only
 
 Runs are `train.py` itself under torchrun, in a temporary directory. Writes benchmarks/results/digits-tasks/:
-runs.jsonl (each run's evaluations and summary), results.md and curves.png (MAE's val loss; val top-1 of the
-fine-tuning from MAE and from random weights; each segmentation's val mIoU and pixel accuracy).
+runs.jsonl (each run's evaluations and summary), results.md and curves.png (MAE's and SimMIM's val loss; val
+top-1 of the fine-tuning from MAE and from random weights; each segmentation's val mIoU and pixel accuracy).
 """
 import argparse
 import datetime
@@ -50,6 +51,8 @@ def run_all(tmp: str) -> list:
                               os.path.join(mae, "encoder")), label="fine-tuned from the MAE encoder"))
     runs.append(dict(torchrun("configs/digits-mae-finetune.yaml", os.path.join(tmp, "scratch"), "--model",
                               "vit-digits"), label="the same fine-tuning from random weights"))
+    runs.append(dict(torchrun("configs/digits-simmim.yaml", os.path.join(tmp, "simmim")),
+                     label="SimMIM pretraining"))
     runs.append(dict(torchrun("configs/digits-segmentation.yaml", os.path.join(tmp, "seg")),
                      label="segmentation (UperNet over swin-digits)"))
     runs.append(dict(torchrun("configs/digits-segmentation.yaml", os.path.join(tmp, "segformer"), "--model",
@@ -67,9 +70,15 @@ def report(runs: list, when: str):
     mae, ft, scratch, seg = (by[k] for k in ("MAE pretraining", "fine-tuned from the MAE encoder",
                                              "the same fine-tuning from random weights",
                                              "segmentation (UperNet over swin-digits)"))
+    simmim = by.get("SimMIM pretraining")
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    axes[0].plot([e["step"] for e in mae["evals"]], [e["val_loss"] for e in mae["evals"]], "o-")
-    axes[0].set(title="MAE pretraining (configs/digits-mae.yaml)", xlabel="step", ylabel="val loss (masked patches)")
+    axes[0].plot([e["step"] for e in mae["evals"]], [e["val_loss"] for e in mae["evals"]], "o-",
+                 label="MAE (MSE, normalised pixels)")
+    if simmim:
+        axes[0].plot([e["step"] for e in simmim["evals"]], [e["val_loss"] for e in simmim["evals"]], "s--",
+                     label="SimMIM (L1, raw pixels)")
+    axes[0].set(title="pretraining (digits-mae, digits-simmim)", xlabel="step", ylabel="val loss (masked patches)")
+    axes[0].legend(fontsize=8)
     for run, style in ((ft, "o-"), (scratch, "s--")):
         axes[1].plot([e["step"] for e in run["evals"]], [100 * e["val_top1"] for e in run["evals"]], style,
                      label=run["label"])
@@ -97,6 +106,11 @@ def report(runs: list, when: str):
              f"| {mae['label']} | {mae['summary']['step']} | val loss {mae['evals'][0]['val_loss']:.4f} at step "
              f"{mae['evals'][0]['step']} -> {mae['summary']['val_loss']:.4f} (train loss {mae['first_loss']:.4f} "
              f"at step 1) | {minutes(mae)} |"]
+    if simmim:
+        first, last = simmim["evals"][0], simmim["summary"]
+        lines.append(f"| {simmim['label']} | {last['step']} | val loss {first['val_loss']:.4f} at step "
+                     f"{first['step']} -> {last['val_loss']:.4f} (train loss {simmim['first_loss']:.4f} at step 1) | "
+                     f"{minutes(simmim)} |")
     for run in (ft, scratch):
         lines.append(f"| {run['label']} | {run['summary']['step']} | val top-1 {run['summary']['val_top1']:.2%} "
                      f"(at step {run['evals'][0]['step']}: {run['evals'][0]['val_top1']:.2%}) | {minutes(run)} |")

@@ -63,7 +63,7 @@ def pretrained(tmp_path_factory):
 
 # the digits task recipes are trained to the end by benchmarks/digits_tasks.py, their keys by test_task_training.py
 @pytest.mark.parametrize("name", [pytest.param(r, marks=pytest.mark.slow) if r in ("digits-mae.yaml",
-                                  "digits-segmentation.yaml") else r for r in RECIPES if r not in FINETUNE_PAIR])
+                                  "digits-simmim.yaml", "digits-segmentation.yaml") else r for r in RECIPES if r not in FINETUNE_PAIR])
 def test_recipe_runs_shrunk(name, digits, pretrained, request, tmp_path):
     keys = recipe(name)
     task = keys.get("task", "classification")
