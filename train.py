@@ -48,6 +48,7 @@ from engine.preemption import EXIT_PREEMPTED, Preemption
 from engine.runlog import RunLog
 from engine.tensor_parallel import check_tp, layout
 from engine.timing import clock
+from models.blocks import find_blocks
 from models.registry import check_weight_files, width
 from models.tasks import meta_model, run_config, task_loss
 
@@ -94,7 +95,12 @@ def check_run(cfg: Config, world_size: int, rank: int) -> Checked:
     check_tp(defined, cfg.tp_size, world_size, ranks_per_node())
     if os.path.isdir(cfg.model):  # a cut-off copy of its weights fails here, by name, not inside transformers
         check_weight_files(cfg.model)
-    shapes = {n: list(p.shape) for n, p in meta_model(cfg).named_parameters()}  # the model as defined, on meta
+    defined_model = meta_model(cfg)  # the model as defined, on meta
+    if not find_blocks(defined_model):  # what the checkpointing policies and ZeRO-3's gathering wrap
+        raise ConfigError(f"model {cfg.model}: no transformer blocks found in {type(defined_model).__name__} (an "
+                          f"nn.ModuleList whose elements hold an attention module); this trainer trains ViT, Swin "
+                          f"and SegFormer models")
+    shapes = {n: list(p.shape) for n, p in defined_model.named_parameters()}
     if cfg.freeze:  # a pattern that names no parameter fails here, on the model's shapes alone
         frozen_names(list(shapes), cfg.freeze)
     _, ds_config = engine_config(cfg, width(defined), world_size)

@@ -222,3 +222,17 @@ def test_a_task_the_model_or_input_cannot_take_is_one_line(debug_args, digits_se
     code, err = check_input(debug_args + ["--output_dir", tmp_path / "run"] + args, capsys, monkeypatch)
     assert code == 2 and len(err) == 1 and err[0].startswith(message), err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_model_whose_blocks_are_not_found_is_one_line(debug_args, tmp_path, capsys, monkeypatch):
+    """A local directory of a model without transformer blocks (a ResNet): one line, exit 2, nothing written."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    ResNetForImageClassification(ResNetConfig(embedding_size=8, hidden_sizes=[8, 8], depths=[1, 1],
+                                              num_labels=10)).save_pretrained(tmp_path / "resnet")
+    code, err = check_input(debug_args + ["--model", tmp_path / "resnet", "--output_dir", tmp_path / "run"], capsys,
+                            monkeypatch)
+    assert code == 2 and err == [f"error: model {tmp_path / 'resnet'}: no transformer blocks found in "
+                                 f"ResNetForImageClassification (an nn.ModuleList whose elements hold an attention "
+                                 f"module); this trainer trains ViT, Swin and SegFormer models"], err
+    assert not (tmp_path / "run").exists()
