@@ -17,7 +17,7 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from tqdm import tqdm
 
@@ -27,6 +27,7 @@ TOLERANCE = 0.10  # what the planner's peak is held to
 
 @dataclass
 class Case:
+    """One configuration: its fields are bench_worker.Spec's of the same names."""
     task: str
     model: str
     image_size: int
@@ -63,9 +64,7 @@ def predicted(case: Case, ds_config: dict, world_size: int) -> dict:
     from planner.devices import Device
     from planner.estimate import estimate
 
-    spec = Spec(model=case.model, image_size=case.image_size, patch_size=case.patch_size,
-                micro_batch_size=case.micro_batch_size, zero=case.zero, ac=case.ac, task=case.task,
-                mask_patch_size=case.mask_patch_size, num_labels=case.num_labels)
+    spec = Spec(**asdict(case))
     device = Device("cpu", 1e11, 1e6, 10, 10, 0.0, mem_gbs=10)  # memory only: its rates do not matter
     est = estimate(run_config(spec), ds_config, "fp32", world_size, world_size, device)
     return {"peak": est["peak_bytes"], "activations": est["memory"]["activations"], "params": est["params"],
@@ -75,10 +74,7 @@ def predicted(case: Case, ds_config: dict, world_size: int) -> dict:
 def measure(case: Case, threads: int) -> dict:
     from benchmarks.train_bench import run_worker
 
-    spec = dict(model=case.model, image_size=case.image_size, patch_size=case.patch_size,
-                micro_batch_size=case.micro_batch_size, zero=case.zero, ac=case.ac, task=case.task,
-                mask_patch_size=case.mask_patch_size, num_labels=case.num_labels, profiled_steps=2,
-                warmup_steps=0, timed_steps=1, count_flops=False)
+    spec = dict(asdict(case), profiled_steps=2, warmup_steps=0, timed_steps=1, count_flops=False)
     result, tail = run_worker(spec, 2, threads, 900)
     if tail:
         sys.exit(f"error: {case.label} ZeRO-{case.zero} {case.ac} failed:\n{tail}")
@@ -135,7 +131,7 @@ def main(argv=None):
         rows = []
         for case in tqdm(cases(args.quick), desc="task memory", dynamic_ncols=True):
             result = measure(case, args.threads)
-            rows += predict([{**case.__dict__, "label": case.label, "peak_measured": max(result["peak_alloc_bytes"]),
+            rows += predict([{**asdict(case), "label": case.label, "peak_measured": max(result["peak_alloc_bytes"]),
                               "activations_measured": max(result["activation_bytes"]),
                               "losses": result["losses"], "world_size": result["world_size"],
                               "ds_config": result["ds_config"]}])
