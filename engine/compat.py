@@ -319,6 +319,44 @@ def zero3_hpz_ranks(module: torch.nn.Module) -> int:
     return dist.get_world_size(group) if group is not None else 1
 
 
+def zero12_grad_norm_in_float64(engine) -> bool:
+    """Make ZeRO-1/2's global gradient norm independent of how the gradients are split over ranks, as ZeRO-3's is.
+
+    DeepSpeed's ZeRO-1/2 `get_grad_norm_direct` sums the squared norms of a rank's gradient partitions in float64,
+    then casts that sum to fp32 before the all-reduce over ranks; ZeRO-3 all-reduces the float64 sum. The fp32
+    rounding of each rank's share makes the norm differ by an ulp between world sizes, and with clipping on the
+    norm scales every gradient, so a run resumed on another number of ranks drifted from the run it continues.
+    Here the sum stays float64 through the all-reduce and the root; the norm is rounded to fp32 once, at the end.
+    True if the optimizer is ZeRO-1/2's (its CPU-offload path computes its norm elsewhere and is left as it is)."""
+    _require("deepspeed", "zero12_grad_norm_in_float64")
+    import torch.distributed as dist
+    from deepspeed.runtime.constants import PIPE_REPLICATED
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    optimizer = engine.optimizer
+    if not isinstance(optimizer, DeepSpeedZeroOptimizer) or optimizer.cpu_offload:
+        return False
+    deepspeeds = optimizer.get_grad_norm_direct
+
+    def grad_norm(gradients, params, norm_type=2):
+        if float(norm_type) != 2.0:
+            return deepspeeds(gradients, params, norm_type)
+        counted = (g for g, p in zip((g for g in gradients if not getattr(g, "_zero_padding", False)), params)
+                   if not (hasattr(p, PIPE_REPLICATED) and p.ds_pipe_replicated)
+                   and (is_model_parallel_parameter(p) or optimizer.model_parallel_rank == 0))
+        squares = [torch.linalg.vector_norm(g.detach(), dtype=torch.float64).square() for g in counted]
+        total = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64,
+                                                                       device=optimizer.device)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=optimizer.dp_process_group)
+        optimizer._model_parallel_all_reduce(tensor=total, op=dist.ReduceOp.SUM)
+        norm = total.sqrt().float()
+        return torch.where(torch.isfinite(norm), norm, torch.full_like(norm, -1.0))  # DeepSpeed's invalid norm
+
+    optimizer.get_grad_norm_direct = grad_norm
+    return True
+
+
 # ----------------------------------------------------------------------------- checkpoints
 # hyperparameters that differ between this project's parameter groups (engine/optim.py)
 GROUP_HYPERPARAMETERS = ("weight_decay",)

@@ -144,6 +144,7 @@ def apply_zero(model, cfg, ds_config, ac_plan):
             config=ds_config,
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_schedule(cfg)),
         )
+    compat.zero12_grad_norm_in_float64(engine)
     if engine.zero_optimization_partition_weights():
         compat.make_zero3_linear_out_of_place()
         recomputed = {b["name"] for b in ac_plan["blocks"] if b["policy"] in ("full", "selective")}

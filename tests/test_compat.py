@@ -3,9 +3,10 @@
 The behaviours that need real DeepSpeed processes are checked where those already run: the shared-memory
 buffer's name and DeepSpeed's process-wide ZeRO-3 linear in tests/ac_equivalence.py (every policy under
 ZeRO 1-3), the gathered-weight count in the cpu-smoke benchmark (tests/test_benchmarks.py), the corrections
-to DeepSpeed's ZeRO-3 universal-checkpoint load in tests/test_elastic.py (bitwise losses need both), and hpZ's
-partition group in tests/test_multinode.py, AutoTP's view of a Swin's head counts and its consolidation of the
-shards in tests/test_tensor_parallel.py (a Swin split over 2 ranks, its export's logits).
+to DeepSpeed's ZeRO-3 universal-checkpoint load and ZeRO-1/2's float64 gradient norm in tests/test_elastic.py
+(bitwise losses need them), hpZ's partition group in tests/test_multinode.py, AutoTP's view of a Swin's head
+counts and its consolidation of the shards in tests/test_tensor_parallel.py (a Swin split over 2 ranks, its
+export's logits).
 """
 import os
 import subprocess
@@ -38,7 +39,8 @@ class OpLog(TorchDispatchMode):
     (compat.view_base, (None,)), (compat.hf_init_module, (None, None)), (compat.quiet_deepspeed_deprecations, ()),
     (compat.zero3_hpz_ranks, (None,)), (compat.universal_load_keeps_group_settings, (None,)),
     (compat.is_compiled_in_place, (None,)), (compat.autotp_sees_one_head_count, (None,)),
-    (compat.tp_gathered_parameters, (None,)), (compat.mae_fixed_position_embeddings, (None,))])
+    (compat.tp_gathered_parameters, (None,)), (compat.mae_fixed_position_embeddings, (None,)),
+    (compat.zero12_grad_norm_in_float64, (None,))])
 def test_each_function_refuses_another_version(monkeypatch, function, args):
     monkeypatch.setattr(compat, "SUPPORTED", {k: ((0, 0), (0, 1)) for k in compat.SUPPORTED})
     with pytest.raises(compat.CompatError, match=rf"compat.py:{function.__name__} relies on (torch|deepspeed|transformers) "
