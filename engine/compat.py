@@ -325,7 +325,7 @@ def zero12_grad_norm_in_float64(engine) -> bool:
     DeepSpeed's ZeRO-1/2 `get_grad_norm_direct` sums the squared norms of a rank's gradient partitions in float64,
     then casts that sum to fp32 before the all-reduce over ranks; ZeRO-3 all-reduces the float64 sum. The fp32
     rounding of each rank's share makes the norm differ by an ulp between world sizes, and with clipping on the
-    norm scales every gradient, so a run resumed on another number of ranks drifted from the run it continues.
+    norm scales every gradient, so a run resumed on another number of ranks would drift from the run it continues.
     Here the sum stays float64 through the all-reduce and the root; the norm is rounded to fp32 once, at the end.
     True if the optimizer is ZeRO-1/2's (its CPU-offload path computes its norm elsewhere and is left as it is)."""
     _require("deepspeed", "zero12_grad_norm_in_float64")
