@@ -195,6 +195,29 @@ def make_zero3_linear_out_of_place() -> bool:
     return False
 
 
+def deepspeed_arch_list() -> str | None:
+    """TORCH_CUDA_ARCH_LIST as DeepSpeed's JIT op builder reads it: each entry `major.minor[+PTX]`.
+
+    torch accepts architecture-specific entries such as Hopper's `9.0a` (CUDA images set them), while DeepSpeed
+    0.19's builder parses each minor as an integer and stops on `0a` (DeepCompile builds its op at the first
+    compiled step). The suffix is dropped: DeepSpeed's ops use no architecture-specific instruction. Returns the
+    list set, or None when the variable is unset."""
+    _require("deepspeed", "deepspeed_arch_list")
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if archs is None:
+        return None
+    entries = []
+    for entry in archs.replace(" ", ";").split(";"):
+        if not entry.strip():
+            continue
+        arch, ptx = entry.strip().split("+", 1) if "+" in entry else (entry.strip(), "")
+        major, _, minor = arch.partition(".")
+        minor = "".join(c for c in minor if c.isdigit()) or "0"
+        entries.append(f"{major}.{minor}" + (f"+{ptx}" if ptx else ""))
+    os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(dict.fromkeys(entries))
+    return os.environ["TORCH_CUDA_ARCH_LIST"]
+
+
 def param_numel(p: torch.nn.Parameter) -> int:
     """Elements of a parameter, whole: a ZeRO-3-partitioned one holds an empty tensor and its full size aside."""
     _require("deepspeed", "param_numel")

@@ -16,6 +16,9 @@ MUON_MOMENTUM = 0.95  # Muon's Nesterov momentum (Jordan et al. 2024)
 MIN_BUCKET_ELEMENTS = 2**20  # a floor, so that small models do not pay one collective per tensor
 PREFETCH_FRACTION = 0.9  # stage3_prefetch_bucket_size = 0.9 * h^2
 BLOCK_PARAMS_PER_HIDDEN_SQ = 12  # a transformer block holds ~12 h^2 parameters (attention 4 h^2, MLP 8 h^2)
+GPU_BUCKET_BLOCKS = 4  # GPU: a reduce or all-gather bucket holds about four blocks' parameters
+GPU_SUB_GROUP = 10**9  # GPU: ZeRO-3's optimizer sub-group, DeepSpeed's default (the whole partition of most models)
+PERSISTENCE_PER_HIDDEN = 10  # GPU: ZeRO-3 keeps parameters of at most 10 h elements gathered
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # the `precision` key's dtypes
 
 
@@ -68,6 +71,53 @@ def _zeropp(zero: dict, where: str, node_ranks: int | None, gpu: bool | None):
         raise ConfigError(f"{where} sets {' and '.join(quantized)}: ZeRO++'s quantized communication runs "
                           f"DeepSpeed's CUDA quantizer kernels and needs a GPU; on CPU set them false (hierarchical "
                           f"partitioning, zero_hpz_partition_size, runs anywhere)")
+
+
+def auto_zero_sizes(hidden_size: int, gpu: bool) -> dict:
+    """The zero_optimization sizes a template leaves "auto", per device, in elements (h: the hidden size).
+
+    CPU: Hugging Face's h^2 buckets and the sizes measured for CPU memory (benchmarks/results/ds-tuning-*).
+    GPU: ZeRO's Python hooks run per parameter, per bucket and per optimizer sub-group, and on a GPU that host
+    work sets the step's pace (docs/benchmarks.md: the H200 traces): several blocks per bucket, a block's small
+    parameters kept gathered, one block prefetched, and the optimizer stepping the whole partition at once
+    (DeepSpeed's own default, up to 1e9 elements). engine/memory.py counts what each choice keeps."""
+    block = BLOCK_PARAMS_PER_HIDDEN_SQ * hidden_size * hidden_size
+    if gpu:
+        bucket = max(GPU_BUCKET_BLOCKS * block, MIN_BUCKET_ELEMENTS)
+        return {
+            "reduce_bucket_size": bucket,
+            "allgather_bucket_size": bucket,
+            # the next block's weights, in one coalesced gather
+            "stage3_prefetch_bucket_size": block,
+            # biases and norms (h or 4h elements) stay gathered: a block's gather and release handle its four
+            # matrices, not its sixteen tensors (Hugging Face's "auto" is this 10 h)
+            "stage3_param_persistence_threshold": PERSISTENCE_PER_HIDDEN * hidden_size,
+            # the block computing, the one prefetched and one released late
+            "stage3_max_live_parameters": 3 * block,
+            "stage3_max_reuse_distance": 2 * block,
+            "sub_group_size": GPU_SUB_GROUP,
+            "overlap_comm": True,  # the reduction on a second stream, hidden behind the backward
+        }
+    bucket = max(hidden_size * hidden_size, MIN_BUCKET_ELEMENTS)
+    return {
+        "reduce_bucket_size": bucket,
+        "allgather_bucket_size": bucket,
+        "stage3_prefetch_bucket_size": int(PREFETCH_FRACTION * bucket),
+        # no parameter stays gathered: a block's biases and norms come with its weights in the block's one
+        # coalesced gather (its blocks are leaf modules), while ZeRO-3 all-gathers every persistent one again
+        # after each optimizer step, one collective per tensor (benchmarks/results/ds-tuning-persistence)
+        "stage3_param_persistence_threshold": 0,
+        # DeepSpeed's defaults (1e9 elements) keep every gathered parameter from its forward to its backward, a
+        # whole unsharded model per rank; two blocks' worth lets a block's weights go after its forward, and a
+        # checkpointed block's recompute runs inside its backward, after the block's own gather
+        "stage3_max_live_parameters": 2 * block,
+        "stage3_max_reuse_distance": block,
+        # ZeRO-3 steps the optimizer one sub-group of the partition at a time, flattening the sub-group's fp32
+        # gradients first: one block's worth bounds that copy (DeepSpeed's 1e9 spans the whole partition)
+        "sub_group_size": block,
+        # a second stream for the reduction only adds copies on CPU (benchmarks/results/ds-tuning-vit-s)
+        "overlap_comm": False,
+    }
 
 
 def build_ds_config(cfg: Config, hidden_size: int, world_size: int, precision: str, ranks_per_node: int | None = None,
@@ -123,29 +173,8 @@ def build_ds_config(cfg: Config, hidden_size: int, world_size: int, precision: s
         ds["optimizer"]["params"].setdefault("fused", torch.cuda.is_available() if gpu is None else gpu)
 
     zero = ds["zero_optimization"]
-    bucket = max(hidden_size * hidden_size, MIN_BUCKET_ELEMENTS)
-    block = BLOCK_PARAMS_PER_HIDDEN_SQ * hidden_size * hidden_size
-    auto_sizes = {
-        "reduce_bucket_size": bucket,
-        "allgather_bucket_size": bucket,
-        "stage3_prefetch_bucket_size": int(PREFETCH_FRACTION * bucket),
-        # no parameter stays gathered: a block's biases and norms come with its weights in the block's one
-        # coalesced gather (its blocks are leaf modules), while ZeRO-3 all-gathers every persistent one again
-        # after each optimizer step, one collective per tensor (benchmarks/results/ds-tuning-persistence)
-        "stage3_param_persistence_threshold": 0,
-        # DeepSpeed's defaults (1e9 elements) keep every gathered parameter from its forward to its backward, a
-        # whole unsharded model per rank; two blocks' worth lets a block's weights go after its forward, and a
-        # checkpointed block's recompute runs inside its backward, after the block's own gather
-        "stage3_max_live_parameters": 2 * block,
-        "stage3_max_reuse_distance": block,
-        # ZeRO-3 steps the optimizer one sub-group of the partition at a time, flattening the sub-group's fp32
-        # gradients first: one block's worth bounds that copy (DeepSpeed's 1e9 spans the whole partition)
-        "sub_group_size": block,
-        # overlapping the gradients' reduction with the backward needs a second stream: on GPUs, where it hides
-        # the reduction; on CPU it only adds copies (benchmarks/results/ds-tuning-vit-s)
-        "overlap_comm": torch.cuda.is_available() if gpu is None else gpu,
-    }
-    for key, value in auto_sizes.items():
+    on_gpu = torch.cuda.is_available() if gpu is None else gpu
+    for key, value in auto_zero_sizes(hidden_size, on_gpu).items():
         if zero.get(key) == "auto":
             zero[key] = value
     _zeropp(zero, where, ranks_per_node, gpu)

@@ -131,6 +131,8 @@ def apply_zero(model, cfg, ds_config, ac_plan):
     import torch.distributed as dist
     from deepspeed.utils import set_z3_leaf_module
 
+    if ds_config.get("compile", {}).get("deepcompile"):  # DeepCompile JIT-builds its op at the first step
+        compat.deepspeed_arch_list()
     if cfg.zero_stage == 3:
         for block in find_blocks(model):
             set_z3_leaf_module(block.module, True)

@@ -40,7 +40,7 @@ class OpLog(TorchDispatchMode):
     (compat.zero3_hpz_ranks, (None,)), (compat.universal_load_keeps_group_settings, (None,)),
     (compat.is_compiled_in_place, (None,)), (compat.autotp_sees_one_head_count, (None,)),
     (compat.tp_gathered_parameters, (None,)), (compat.mae_fixed_position_embeddings, (None,)),
-    (compat.zero12_grad_norm_in_float64, (None,))])
+    (compat.zero12_grad_norm_in_float64, (None,)), (compat.deepspeed_arch_list, ())])
 def test_each_function_refuses_another_version(monkeypatch, function, args):
     monkeypatch.setattr(compat, "SUPPORTED", {k: ((0, 0), (0, 1)) for k in compat.SUPPORTED})
     with pytest.raises(compat.CompatError, match=rf"compat.py:{function.__name__} relies on (torch|deepspeed|transformers) "
@@ -199,3 +199,20 @@ def test_compiling_in_place_is_seen():
     assert not compat.is_compiled_in_place(module)
     module.compile()  # nothing is compiled before the first call
     assert compat.is_compiled_in_place(module)
+
+
+def test_deepspeed_arch_list_is_one_deepspeeds_builder_parses(monkeypatch):
+    """DeepCompile's op builder (DeepSpeed's own compute_capability_args) stops on Hopper's `9.0a`, which CUDA
+    images set; after deepspeed_arch_list it builds for the same architectures."""
+    from deepspeed.ops.op_builder.dc import DeepCompileBuilder
+
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0 9.0a;9.0+PTX")
+    with pytest.raises(ValueError, match="0a"):
+        DeepCompileBuilder().compute_capability_args()
+    assert compat.deepspeed_arch_list() == "8.0;9.0;9.0+PTX"
+    args = DeepCompileBuilder().compute_capability_args()
+    assert sorted(a for a in args if "compute_" in a) == ["-gencode=arch=compute_80,code=sm_80",
+                                                          "-gencode=arch=compute_90,code=compute_90",
+                                                          "-gencode=arch=compute_90,code=sm_90"]
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST")
+    assert compat.deepspeed_arch_list() is None

@@ -29,7 +29,7 @@ def test_fixed_memory_follows_zero_accounting():
     fp32 master partition and AdamW's moments (12 bytes per parameter over the ranks); ZeRO-2 its gradient
     partition (one rank reduces at the start of the backward); ZeRO-3 a weight and a gradient partition, its
     prefetch bucket and the weights it may hold gathered at once. The optimizer step adds the flat gradient, an
-    fp32 partition (under ZeRO-3 one sub-group of it: a block's parameters), under ZeRO-1 the reduced gradient
+    fp32 partition (under ZeRO-3 on CPU one sub-group of it: a block's parameters), under ZeRO-1 the reduced gradient
     partition, which ZeRO-2 and 3 hold already, and with torch's foreach AdamW (the CPU's) two more of the flat
     gradient's size: its temporaries. The fused update (GPUs) has none."""
     n, world, hidden = 300_000_000, 8, 1024
@@ -49,7 +49,8 @@ def test_fixed_memory_follows_zero_accounting():
         gpu = build_ds_config(Config(zero_stage=stage), hidden, world, "fp32", gpu=True)
         assert gpu["optimizer"]["params"]["fused"] is True and gpu["zero_optimization"].get("overlap_comm", True)
         fused = zero_memory_bytes(n, stage, world, "fp32", gpu)
-        assert fused["optimizer_step"] - fused["backward"] == pytest.approx(4 * (flat + reduced))
+        # on a GPU ZeRO-3 steps its whole partition at once (sub_group_size 1e9 > n / world)
+        assert fused["optimizer_step"] - fused["backward"] == pytest.approx(4 * (n / world + reduced))
     # gradients accumulated over micro-batches stay between backwards: whole under ZeRO-1, partitioned under 2
     accum = {stage: build_ds_config(Config(zero_stage=stage, grad_accum_steps=4), hidden, world, "fp32")
              for stage in (1, 2)}
@@ -104,3 +105,23 @@ def test_no_weight_decay_on_norms_biases_position_embeddings_and_class_token():
     assert all(p.ndim >= 2 for p in decay["params"])
     assert any(n.endswith("layernorm_before.weight") for n in no_decay_names)
     assert no_decay["weight_decay"] == 0.0 and decay["weight_decay"] == 0.05
+
+
+def test_gpu_sizes_bucket_several_blocks_and_keep_small_parameters_gathered():
+    """On a GPU the "auto" sizes cut ZeRO's per-tensor and per-bucket host work: buckets of 4 blocks, biases and
+    norms (up to 10 h elements) persistent, one block prefetched, the optimizer over the whole partition; the
+    memory model counts the live and prefetched blocks. On CPU they stay the measured ones."""
+    hidden, world, n = 1024, 8, 300_000_000
+    block = 12 * hidden**2
+    zero = build_ds_config(Config(zero_stage=3), hidden, world, "bf16", gpu=True)["zero_optimization"]
+    assert zero["reduce_bucket_size"] == 4 * block and zero["stage3_prefetch_bucket_size"] == block
+    assert zero["stage3_param_persistence_threshold"] == 10 * hidden
+    assert zero["sub_group_size"] == 10**9 and zero["overlap_comm"] is True
+    cpu = build_ds_config(Config(zero_stage=3), hidden, world, "fp32", gpu=False)["zero_optimization"]
+    assert cpu["reduce_bucket_size"] == hidden**2 and cpu["stage3_param_persistence_threshold"] == 0
+    assert cpu["sub_group_size"] == block and cpu["overlap_comm"] is False
+    gathered = zero_memory_bytes(n, 3, world, "bf16", {"zero_optimization": zero})["zero3_gathered"]
+    assert gathered == 2 * (block + 3 * block)  # bf16: the prefetched block and three live ones
+    for stage in (1, 2):
+        z = build_ds_config(Config(zero_stage=stage), hidden, world, "bf16", gpu=True)["zero_optimization"]
+        assert z["reduce_bucket_size"] == z["allgather_bucket_size"] == 4 * block
