@@ -50,7 +50,7 @@ class Config:
     ds_config: str = ""  # DeepSpeed JSON template; "" = ds_configs/zero{zero_stage}.json. Its "auto" fields come from this config
     dist_timeout: float = 1800.0  # seconds a rank waits for the master's address, for the other ranks, and in any collective
     precision: str = "auto"  # fp32 | bf16 | fp16 | auto (bf16 on GPUs that support it, else fp32)
-    ac: str = "none"  # activation checkpointing: none | full | every_n:K | selective | hierarchical[:K] | offload | auto:BUDGET_GB (ac/policies.py)
+    ac: str = "none"  # activation checkpointing: none | light | full | every_n:K | selective | hierarchical[:K] | offload | auto:BUDGET_GB (ac/policies.py)
     compile: bool = False  # torch.compile the wrapped model (DeepSpeed's engine.compile(), after the checkpointing)
     # optimisation
     micro_batch_size: int = 32  # images per rank per forward/backward

@@ -20,7 +20,7 @@ def default_hierarchical_k(profile: list[BlockProfile], by_stage: bool) -> int:
 
 def kept_bytes(p: BlockProfile, how: str) -> int:
     """Activation bytes block `p` keeps for the backward under `how` (offload keeps all, on the host)."""
-    return {"selective": p.bytes_selective, "full": p.bytes_full}.get(how, p.bytes_none)
+    return {"selective": p.bytes_selective, "full": p.bytes_full, "light": p.bytes_light}.get(how, p.bytes_none)
 
 
 def recompute_flops(p: BlockProfile, how: str) -> int:
@@ -30,7 +30,8 @@ def recompute_flops(p: BlockProfile, how: str) -> int:
 
 def recompute_cost(p: BlockProfile, how: str) -> int:
     """Work the backward repeats for block `p` under `how`: FLOPs, plus one per element of the cheap ops."""
-    return recompute_flops(p, how) + (p.cheap_elems if how in ("selective", "full") else 0)
+    return recompute_flops(p, how) + (p.cheap_elems if how in ("selective", "full") else
+                                      p.light_elems if how == "light" else 0)
 
 
 def activation_peak(profile: list[BlockProfile], plan: list, released: list | None = None) -> int:

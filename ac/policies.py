@@ -4,6 +4,8 @@ Policies (run-config key `ac`):
   none            keep every activation
   full            recompute every block in the backward pass (keep only its input)
   every_n:K       recompute blocks 0, K, 2K, ...
+  light           recompute only the norms' and activations' outputs, from their inputs, when the backward
+                  reads them (ac/recompute.py): the matmuls never rerun, and no per-operator dispatch mode
   selective       keep the outputs of the compute-heavy ops (matmuls, attention kernels), recompute the
                   cheap, memory-heavy ones (norms, GELU, softmax, dropout, residual adds); Korthikanti et
                   al. 2022, with PyTorch's selective checkpoint contexts
@@ -23,11 +25,12 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ac.budget import default_hierarchical_k, plan_figures, plan_for_budget
+from ac.recompute import wrap_light
 from ac.profile import COMPUTE_OPS, PROFILE_BATCH, Profile, profile_blocks
 from config import ConfigError
 from models.blocks import Block, find_blocks
 
-POLICIES = ("none", "full", "every_n:K", "selective", "hierarchical[:K]", "offload", "auto:BUDGET_GB")
+POLICIES = ("none", "light", "full", "every_n:K", "selective", "hierarchical[:K]", "offload", "auto:BUDGET_GB")
 
 
 def _selective_policy(keep):
@@ -60,6 +63,9 @@ def _wrap(block: Block, how: str, keep=None):
 
         def forward(*args, **kwargs):
             return checkpoint(original, *args, use_reentrant=False, context_fn=context, **kwargs)
+    elif how == "light":
+        wrap_light(block.module)
+        return
     elif how == "offload":
         def forward(*args, **kwargs):
             with torch.autograd.graph.save_on_cpu(pin_memory=True):
@@ -73,7 +79,7 @@ def parse_policy(ac: str):
     """(name, argument) of a policy string, or ConfigError listing the policies."""
     name, _, arg = ac.partition(":")
     try:
-        if name in ("none", "full", "selective", "offload") and not arg:
+        if name in ("none", "light", "full", "selective", "offload") and not arg:
             return name, None
         if name == "every_n" and int(arg) >= 1:
             return name, int(arg)
@@ -105,7 +111,7 @@ def choose_plan(ac: str, blocks: list[Block], profile, fixed: dict) -> list:
     name, arg = parse_policy(ac)
     if name == "none":
         return ["none"] * len(blocks)
-    if name in ("full", "selective", "offload"):
+    if name in ("full", "selective", "offload", "light"):
         return [name] * len(blocks)
     if name == "every_n":
         return ["full" if i % arg == 0 else "none" for i in range(len(blocks))]

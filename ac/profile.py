@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ac.recompute import cheap_modules
 from engine import compat
 from engine.tensor_parallel import shard_like_autotp
 from models.blocks import find_blocks
@@ -36,6 +37,10 @@ class BlockProfile:
     # and of its input
     bytes_grad: int = 0
     params: int = 0  # the block's own parameters (not scaled with the batch)
+    # `light`: the saved bytes without the norms' and activations' outputs, and those outputs' elements, which
+    # its backward recomputes (ac/recompute.py)
+    bytes_light: int = 0
+    light_elems: int = 0
 
     def scaled(self, factor: float) -> "BlockProfile":
         """The profile of a batch `factor` times larger: every saved activation, FLOP and element of a ViT
@@ -43,7 +48,8 @@ class BlockProfile:
         return BlockProfile(self.name, self.stage, round(self.bytes_none * factor), round(self.bytes_selective * factor),
                             round(self.bytes_full * factor), round(self.flops * factor), round(self.flops_full * factor),
                             round(self.flops_selective * factor), round(self.cheap_elems * factor), self.keep,
-                            round(self.bytes_grad * factor), self.params)
+                            round(self.bytes_grad * factor), self.params, round(self.bytes_light * factor),
+                            round(self.light_elems * factor))
 
 
 # ops that only copy or rescale one tensor: a saved tensor made from a compute output by these alone is that
@@ -137,6 +143,7 @@ def profile_blocks(model, images: torch.Tensor) -> Profile:
     blocks = find_blocks(model)
     saved = {b.name: {} for b in blocks}
     inputs = {}
+    cheap_outputs = {}  # block -> {storage of a norm's or activation's output: its elements}
     handles = []
     recorder = _OpRecorder()
     for b in blocks:
@@ -147,6 +154,11 @@ def profile_blocks(model, images: torch.Tensor) -> Profile:
         def post(module, args, output):
             recorder.block = None
         handles += [b.module.register_forward_pre_hook(pre), b.module.register_forward_hook(post)]
+
+        def cheap(module, args, output, name=b.name):  # what `light` recomputes, if the backward reads it
+            recorder.alive.append(output)
+            cheap_outputs.setdefault(name, {})[compat.storage_id(output)] = output.numel()
+        handles += [m.register_forward_hook(cheap) for m in cheap_modules(b.module)]
 
     def pack(t):
         if recorder.block is not None:  # weights count as saved tensors for the early stop, not as bytes
@@ -194,11 +206,13 @@ def profile_blocks(model, images: torch.Tensor) -> Profile:
         kept = sum(nbytes for (ptr, nbytes, *_), k in zip(outputs, keep) if k)
         last = recorder.packs.get(b.name, 0)
         rerun = [(flops, k) for (_, _, flops, packs), k in zip(outputs, keep) if packs < last]
+        light = {ptr: n for ptr, n in cheap_outputs.get(b.name, {}).items() if ptr in saved[b.name]}
         out.append(BlockProfile(b.name, b.stage, none, min(none, kept + inputs[b.name]), inputs[b.name], int(f),
                                 sum(fl for fl, _ in rerun), sum(fl for fl, k in rerun if not k),
                                 sum(n for n, packs in recorder.cheap_ops.get(b.name, []) if packs < last), keep,
                                 max((nbytes for _, nbytes, *_ in outputs), default=0) + inputs[b.name],
-                                sum(compat.param_numel(p) for p in b.module.parameters())))
+                                sum(compat.param_numel(p) for p in b.module.parameters()),
+                                none - sum(saved[b.name][ptr] for ptr in light), sum(light.values())))
     return out
 
 

@@ -80,8 +80,8 @@ def segmentation(images, masks, predicted, names, ignore_index: int):
     return fig
 
 
-POLICY_BYTES = {"none": "bytes_none", "selective": "bytes_selective", "full": "bytes_full"}
-POLICY_FLOPS = {"none": None, "selective": "flops_selective", "full": "flops_full"}
+POLICY_BYTES = {"none": "bytes_none", "light": "bytes_light", "selective": "bytes_selective", "full": "bytes_full"}
+POLICY_FLOPS = {"none": None, "light": None, "selective": "flops_selective", "full": "flops_full"}
 
 
 def ac_plan(plan: dict):

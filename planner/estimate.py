@@ -106,7 +106,8 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
     recompute = figures["recompute_matmul_flops"] / cfg.micro_batch_size  # per image
     flops = images * (3 * fwd_flops + recompute)
     # memory traffic of a micro-batch: forward, backward, and the recomputed cheap ops (read twice, written once)
-    rerun = sum(p.cheap_elems for p, how in zip(prof, plan) if how in ("full", "selective"))
+    rerun = sum(p.cheap_elems if how in ("full", "selective") else p.light_elems if how == "light" else 0
+                for p, how in zip(prof, plan))
     moved = 3 * prof.moved_bytes + 3 * rerun * weight_bytes
     optimizer_moved = OPTIMIZER_BYTES_PER_PARAM * n_params / data_ranks if not offloaded(cfg.zero_stage, ds_config)[0] \
         else 0

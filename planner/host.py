@@ -169,7 +169,7 @@ def _line(blocks: list, seconds: list) -> tuple[float, float]:
 
 def host_seconds(host: dict, stage: int, plan: list, serial: bool) -> dict:
     """What the host spends on a micro-batch and on an optimizer step of a model whose blocks follow `plan`
-    (a policy per block; `offload` counts as none), per the probe `host`. `serial` (a CPU): only what the
+    (a policy per block; `offload` and `light` count as none), per the probe `host`. `serial` (a CPU): only what the
     operators' replay does not already hold, the engine's and the checkpointing's share beyond the bare
     forward and backward."""
     figures, blocks = host["stages"][str(stage)], host["blocks"]

@@ -49,7 +49,7 @@ def main(argv):
         fixed = zero_memory_bytes(rank_params(probe, tp), stage, world // tp, precision, ds)
         lowest, highest = (activation_peak(prof, [how] * len(prof)) for how in ("full", "none"))
         mid = max(fixed["backward"] + prof.bytes_outside + (lowest + highest) / 2, fixed["optimizer_step"]) / 2**30
-        for ac in ("none", "full", "every_n:2", "selective", "hierarchical", f"auto:{mid:.9f}"):
+        for ac in ("none", "light", "full", "every_n:2", "selective", "hierarchical", f"auto:{mid:.9f}"):
             torch.manual_seed(0)
             model, _ = build_training_model(cfg, ds)  # under ZeRO-3, partitioned as it is built
             if stage == 3 and ac == "none" and tp == 1:  # the seed alone sets the weights: partitioned equals whole, bitwise

@@ -28,13 +28,13 @@ def test_every_policy_matches_none_bitwise_under_zero(stage, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())
     compat_found = results.pop("compat")  # tests/test_compat.py's share of this run
-    assert len(results) == 12
+    assert len(results) == 14
     for key, r in results.items():
         model, policy = key.split("|")
         none = results[f"{model}|none"]
         assert r["losses"] == none["losses"], key
         assert r["weights_numel"] == none["weights_numel"] > 0 and r["weights_sha256"] == none["weights_sha256"], key
-        if policy in ("full", "selective"):
+        if policy in ("full", "selective", "light"):
             assert set(r["policies"]) == {policy}
         # the backward repeats exactly the matmul and attention FLOPs the profile predicted: under ZeRO-3 too,
         # where DeepSpeed's linear would make every recompute run the block's last matmul as well
@@ -81,7 +81,7 @@ def test_every_policy_matches_none_bitwise_under_tensor_parallelism(stage, tmp_p
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())
     results.pop("compat")
-    assert len(results) == 6
+    assert len(results) == 7
     none = results["vit-debug|none"]
     for key, r in results.items():
         assert r["losses"] == none["losses"], key
@@ -101,11 +101,15 @@ def vit_small():
 def test_policies_reduce_measured_activation_memory(vit_small):
     model, images = vit_small
     measured = {}
-    for ac in ("none", "selective", "hierarchical", "full"):
+    for ac in ("none", "light", "selective", "hierarchical", "full"):
         m = copy.deepcopy(model)
         apply_activation_checkpointing(m, ac, "cpu", images, log=lambda *a: None)
         measured[ac] = measure_activation_bytes(m, images)
-    assert measured["none"] > measured["selective"] > measured["hierarchical"] > measured["full"] > 0
+    assert measured["none"] > measured["light"] > measured["selective"] > measured["hierarchical"] > measured["full"] > 0
+    # light gives up its blocks' norm and activation outputs, and the profile counts exactly those
+    profile = profile_blocks(model, images)
+    assert measured["none"] - measured["light"] == sum(p.bytes_none - p.bytes_light for p in profile)
+    assert measured["light"] < 0.7 * measured["none"]
     assert measured["selective"] < 0.6 * measured["none"]  # the target: at least 40% less
     assert measured["full"] < 0.1 * measured["none"]
 
