@@ -45,7 +45,8 @@ class Config:
     mixup: float = 0.0  # Mixup alpha; 0 = off (DeiT: 0.8)
     cutmix: float = 0.0  # CutMix alpha; 0 = off (DeiT: 1.0); with both set, each batch uses one at random
     # parallelism and precision
-    zero_stage: int = 2  # DeepSpeed ZeRO stage: 1 (optimizer states), 2 (+gradients), 3 (+parameters)
+    engine: str = "deepspeed"  # deepspeed (ZeRO, ds_config) | fsdp2 (PyTorch's fully_shard per block; engine/fsdp2.py)
+    zero_stage: int = 2  # DeepSpeed ZeRO stage: 1 (optimizer states), 2 (+gradients), 3 (+parameters); fsdp2: 3 reshards each block's weights after its forward, 1 and 2 keep them to the backward
     tp_size: int = 1  # tensor parallelism: ranks of a node that split each block's matrices (DeepSpeed AutoTP); data parallelism and ZeRO run over world size / tp_size
     ds_config: str = ""  # DeepSpeed JSON template; "" = ds_configs/zero{zero_stage}.json. Its "auto" fields come from this config
     dist_timeout: float = 1800.0  # seconds a rank waits for the master's address, for the other ranks, and in any collective
@@ -84,7 +85,7 @@ class Config:
 
 
 KEYS = {f.name: f for f in dataclasses.fields(Config)}
-CHOICES = {"task": ("classification", "mae", "simmim", "segmentation"), "optimizer": ("adamw", "muon"), "zero_stage": (1, 2, 3), "precision": ("fp32", "bf16", "fp16", "auto"), "data_mode": ("epoch", "resampled")}
+CHOICES = {"engine": ("deepspeed", "fsdp2"), "task": ("classification", "mae", "simmim", "segmentation"), "optimizer": ("adamw", "muon"), "zero_stage": (1, 2, 3), "precision": ("fp32", "bf16", "fp16", "auto"), "data_mode": ("epoch", "resampled")}
 
 
 def _coerce(key: str, value, from_cli: bool):
@@ -176,6 +177,10 @@ def _accelerate(cfg: Config, given: dict, env):
         return
     import json
 
+    if given.get("engine") and cfg.engine != "deepspeed":
+        raise ConfigError(f"the accelerate config selects DeepSpeed but {given['engine']} says engine {cfg.engine}: "
+                          f"launch with an FSDP config (accelerate_configs/fsdp2.yaml) or drop engine")
+
     def take(key, value, what):
         if key in given and getattr(cfg, key) != value:
             raise ConfigError(f"the accelerate config sets {what} but {given[key]} says {key} "
@@ -260,10 +265,27 @@ def _check(cfg: Config):
                           "weights, and tensor-parallel shards are not such parts; use ema_decay 0 or tp_size 1")
     if cfg.export_ema and not cfg.ema_decay:
         raise ConfigError("export_ema needs an EMA of the weights: set ema_decay (e.g. 0.9999)")
+    if cfg.engine == "fsdp2":
+        _check_fsdp2(cfg)
     if cfg.lr <= 0:
         raise ConfigError(f"config key 'lr' must be positive, got {cfg.lr}")
     if not cfg.output_dir:
         raise ConfigError("config key 'output_dir' must not be empty")
+
+
+def _check_fsdp2(cfg: Config):
+    """What the FSDP2 engine does not do (yet): one line each, before anything runs."""
+    unsupported = {
+        "tp_size": (cfg.tp_size > 1, "tensor parallelism is DeepSpeed's AutoTP here; use engine deepspeed or tp_size 1"),
+        "optimizer": (cfg.optimizer == "muon", "Muon is DeepSpeed's here; use engine deepspeed or optimizer adamw"),
+        "ds_config": (bool(cfg.ds_config), "a DeepSpeed JSON (ZeRO++, offload, DeepCompile) configures DeepSpeed "
+                                           "only; use engine deepspeed or leave ds_config empty"),
+        "precision": (cfg.precision == "fp16", "fp16 needs a loss scaler, which this FSDP2 engine does not run; "
+                                               "use bf16 or engine deepspeed"),
+    }
+    for key, (bad, why) in unsupported.items():
+        if bad:
+            raise ConfigError(f"engine fsdp2 with {key} {getattr(cfg, key)}: {why}")
 
 
 def to_dict(cfg: Config) -> dict:

@@ -1,15 +1,17 @@
-"""Train a Hugging Face ViT or Swin with DeepSpeed ZeRO stage 1, 2 or 3: an image classifier, or masked-image
-pretraining (`--task mae`, `--task simmim`).
+"""Train a Hugging Face ViT or Swin with DeepSpeed ZeRO stage 1, 2 or 3, or with PyTorch FSDP2 (`--engine fsdp2`): an
+image classifier, masked-image pretraining (`--task mae`, `--task simmim`) or a segmenter.
 
     deepspeed --num_gpus 2 train.py --config configs/digits-vit.yaml    # CPU: 2 ranks, gloo; GPU: NCCL
     deepspeed train.py --config my-recipe.yaml --model vit-base          # every GPU of this node
     torchrun --nproc_per_node 2 train.py --zero_stage 3
+    torchrun --nproc_per_node 2 train.py --engine fsdp2                  # PyTorch FSDP2 instead of DeepSpeed
     accelerate launch --multi_gpu --num_processes 2 train.py --model swin-debug
     python train.py --max_steps 20                                       # one rank
 
 Every config key, its default and meaning is in config.py; `--key value` overrides the recipe.
-The run directory receives config.yaml, ds_config.json, ac_plan.json, hf_config/, metrics.jsonl, TensorBoard events
-(tb/), DeepSpeed checkpoints (checkpoints/) and, at the end, hf_model/ for `transformers.pipeline` (with task mae
+The run directory receives config.yaml, ds_config.json (FSDP2: fsdp2_config.json), ac_plan.json, hf_config/,
+metrics.jsonl, TensorBoard events (tb/), checkpoints (checkpoints/: DeepSpeed's, or FSDP2's through
+torch.distributed.checkpoint) and, at the end, hf_model/ for `transformers.pipeline` (with task mae
 also encoder/, which `--model` loads as a classifier to fine-tune).
 """
 import contextlib
@@ -104,7 +106,7 @@ def check_run(cfg: Config, world_size: int, rank: int) -> Checked:
     if cfg.freeze:  # a pattern that names no parameter fails here, on the model's shapes alone
         frozen_names(list(shapes), cfg.freeze)
     _, ds_config = engine_config(cfg, width(defined), world_size)
-    offload = ds_config["zero_optimization"].get("offload_param", {}).get("device", "none")
+    offload = ds_config.get("zero_optimization", {}).get("offload_param", {}).get("device", "none")
     if cfg.ema_decay and offload == "nvme":
         raise ConfigError("ema_decay with offload_param on nvme: the EMA averages the weights' partitions in memory, "
                           "and NVMe-offloaded partitions are not there; offload to cpu or set ema_decay 0")
@@ -264,7 +266,8 @@ def resume(run: Run, model: Model) -> Start:
     if resume:
         run.heartbeat.beat("loading the checkpoint")
         try:
-            with compat.universal_load_keeps_group_settings(model.engine):
+            with compat.universal_load_keeps_group_settings(model.engine) if cfg.engine == "deepspeed" else \
+                    contextlib.nullcontext():
                 path, client_state = model.engine.load_checkpoint(resume.load_dir, tag=resume.load_tag)
         except RuntimeError as e:  # another model's checkpoint: one line, every rank stops (bad input)
             if (why := describe_load_error(e, resume.path)) is None:
@@ -325,9 +328,12 @@ def open_log(run: Run, model: Model, start: Start, data: Data) -> RunLog:
     """The run's one-line description, then its directory's files and logs (engine/runlog.py)."""
     cfg, world_size, local_world = run.cfg, run.world_size, run.local_world
     if run.rank == 0:
-        hpz = compat.zero3_hpz_ranks(model.engine.module) if cfg.zero_stage == 3 else 1
-        print(f"{cfg.model}: {model.n_params / 1e6:.2f}M params | ZeRO-{cfg.zero_stage}"
-              f"{f' (hpZ over {hpz} ranks)' if hpz > 1 else ''} | {compat.optimizer_name(model.engine)} | "
+        if cfg.engine == "fsdp2":
+            sharding = f"FSDP2 ({'resharded' if cfg.zero_stage == 3 else 'kept'} after forward)"
+        else:
+            hpz = compat.zero3_hpz_ranks(model.engine.module) if cfg.zero_stage == 3 else 1
+            sharding = f"ZeRO-{cfg.zero_stage}" + (f" (hpZ over {hpz} ranks)" if hpz > 1 else "")
+        print(f"{cfg.model}: {model.n_params / 1e6:.2f}M params | {sharding} | {compat.optimizer_name(model.engine)} | "
               f"{model.precision} | world size {world_size} ({world_size // local_world} node(s) x {local_world}, "
               f"{run.device.type}, {torch.get_num_threads()} threads per rank)"
               + (f" = {run.data_ranks} data x {cfg.tp_size} tensor parallel" if cfg.tp_size > 1 else "") +
@@ -503,7 +509,8 @@ def save_checkpoint(run: Run, model: Model, data: Data, ema: EMA | None, step: i
     run.heartbeat.beat(f"step {step}, saving")
     positions = [None] * run.world_size
     dist.all_gather_object(positions, data.train_batches.state_dict())
-    state = {"step": step, "world_size": run.world_size, "zero_stage": cfg.zero_stage, "tp_size": cfg.tp_size,
+    state = {"step": step, "world_size": run.world_size, "engine": cfg.engine, "zero_stage": cfg.zero_stage,
+             "tp_size": cfg.tp_size,
              "val_score": val_score, "data": merge_states(positions), "param_shapes": run.checked.param_shapes}
     # the first checkpoint's size, for the disk check: weights in the model's precision, the fp32 master copy and
     # Adam's two moments (later checks use the newest checkpoint's real size)

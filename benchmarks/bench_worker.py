@@ -37,32 +37,12 @@ from engine import compat
 from engine.distributed import exit_distributed, flush_cpu_denormals, init_distributed
 from engine.memory import allocation_curve, trace_events
 from engine.optim import lr_schedule, param_groups
+from engine.memory import fsdp2_memory_bytes
 from engine.parallelize import apply_ac, build_engine, build_training_model, engine_config
 from engine.tensor_parallel import layout
 from engine.timing import clock
 from models import build_model, find_blocks, model_config, width
 from models.tasks import build_task_model, task_loss
-
-
-def fsdp2_memory_bytes(n_params: int, outside_params: int, block_params: int, world_size: int, precision: str,
-                       reshard: bool, fused_adamw: bool) -> dict:
-    """zero_memory_bytes's figures for plain FSDP2 (`fully_shard` per block and on the root, torch AdamW), so
-    that `auto` budgets FSDP2's activations as it does ZeRO's.
-
-    - `backward`: the fp32 weight shard (the master copy itself) and AdamW's two moments; the unsharded weights
-      in the compute dtype: the whole model without resharding, else the root's parameters (those outside the
-      blocks, `outside_params`, gathered from the forward to the backward) and two blocks' (the one computing
-      and the one prefetched, `block_params`: the largest block's).
-    - `optimizer_step`: besides them, the fp32 gradient shard and, for torch's unfused (foreach) update, one
-      shard-sized temporary; the fused update has none.
-    """
-    compute = 2 if precision in ("bf16", "fp16") else 4
-    shard = n_params / world_size
-    unsharded = n_params if not reshard else min(n_params, outside_params + 2 * block_params)
-    backward = 12 * shard + compute * unsharded
-    step = 12 * shard + 4 * shard + (0 if fused_adamw else 4 * shard)
-    return {"backward": int(backward), "optimizer_step": int(max(step, backward)),
-            "zero3_gathered": int(compute * unsharded)}
 
 
 @dataclass

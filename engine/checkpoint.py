@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from config import Config, ConfigError
 from engine import compat
 from engine.distributed import is_comm_error
+from engine.fsdp2 import FSDP2Engine, checkpoint_files_missing
 from engine.tensor_parallel import layout
 
 STATE_FILE = "train_state.json"
@@ -84,6 +85,18 @@ def find_resume(cfg: Config, world_size: int) -> Resume | None:
         raise ConfigError(f"resume: {state_file} is not valid JSON ({e})") from None
     if state is None:  # written elsewhere: DeepSpeed checks its own files when it loads them
         return Resume(load_dir, tag, None, False, note)
+    written_by = state.get("engine", "deepspeed")
+    if written_by != cfg.engine:
+        raise ConfigError(f"resume: checkpoint {path} was written by engine {written_by} and this run uses "
+                          f"{cfg.engine}; resume it with --engine {written_by} (export.py turns either into a "
+                          f"Hugging Face model, which `model:` then loads under any engine)")
+    if cfg.engine == "fsdp2":  # DCP reshards onto any number of ranks; zero_stage changes no file
+        missing = checkpoint_files_missing(path, state["world_size"])
+        if missing:
+            raise ConfigError(f"resume: checkpoint {path} is incomplete: {len(missing)} of the files its "
+                              f"{state['world_size']} ranks wrote are missing ({', '.join(missing[:4])}"
+                              f"{', ...' if len(missing) > 4 else ''})")
+        return Resume(load_dir, tag, state, False, note)
     if state["zero_stage"] != cfg.zero_stage:
         raise ConfigError(f"resume: checkpoint {path} was written under ZeRO-{state['zero_stage']} and this run uses "
                           f"ZeRO-{cfg.zero_stage}; resume it with --zero_stage {state['zero_stage']}")
@@ -229,7 +242,10 @@ def save(engine, ckpt_dir: str, step: int, state: dict, *, keep_last: int, keep_
         if is_comm_error(e):
             raise
         failure = write_failure(e, ckpt_dir)
-        compat.close_failed_save(engine)
+        if isinstance(engine, FSDP2Engine):
+            dist.barrier()  # the closing barrier the other ranks' save_checkpoint waits in
+        else:
+            compat.close_failed_save(engine)
     if also and not failure:  # the gather of every rank's outcome below waits for these files too
         try:
             also(partial)

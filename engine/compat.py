@@ -195,6 +195,33 @@ def make_zero3_linear_out_of_place() -> bool:
     return False
 
 
+def is_dtensor(t) -> bool:
+    """A torch DTensor (an FSDP2-sharded parameter or gradient)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor, as a plain tensor sharing its storage; any other tensor itself."""
+    _require("torch", "local_tensor")
+    return t._local_tensor if is_dtensor(t) else t
+
+
+def is_fsdp2_module(m: torch.nn.Module) -> bool:
+    """A module `fully_shard` wrapped (FSDP2)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(m, FSDPModule)
+
+
+def model_class(module: torch.nn.Module) -> type:
+    """The model's own class: `fully_shard` swaps a module's class for a subclass named FSDP<class>."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+
+
 def deepspeed_arch_list() -> str | None:
     """TORCH_CUDA_ARCH_LIST as DeepSpeed's JIT op builder reads it: each entry `major.minor[+PTX]`.
 
@@ -239,8 +266,16 @@ def param_shape(p: torch.nn.Parameter) -> torch.Size:
 
 def local_weights(p: torch.nn.Parameter) -> tuple[torch.Tensor, int]:
     """(the part of a parameter this rank holds, the index of its first element in the flattened parameter):
-    under ZeRO-3 its partition (flat, zero-padded at the end of the last rank's), else the whole tensor and 0."""
+    under ZeRO-3 its partition (flat, zero-padded at the end of the last rank's); under FSDP2 its dim-0 shard
+    (rows as torch.chunk splits them, unpadded); else the whole tensor and 0."""
     _require("deepspeed", "local_weights")
+    if is_dtensor(p):
+        local = p._local_tensor
+        rows = p.shape[0]
+        mesh = p.device_mesh
+        per_rank = -(-rows // mesh.size())  # FSDP2 shards dim 0 as torch.chunk: ceil(rows / ranks) each
+        first_row = min(mesh.get_local_rank() * per_rank, rows)
+        return local, first_row * (p.numel() // rows if rows else 0)
     if getattr(p, "ds_tensor", None) is None:
         return p.data, 0
     import torch.distributed as dist

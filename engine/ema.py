@@ -23,7 +23,8 @@ class EMA:
     def __init__(self, model: torch.nn.Module, decay: float):
         self.decay = decay
         self.params = dict(model.named_parameters())
-        self.partitioned = any(compat.is_zero3_partitioned(p) for p in self.params.values())
+        # ZeRO-3's partitions and FSDP2's shards: each rank holds and saves a part of every parameter
+        self.partitioned = any(compat.is_zero3_partitioned(p) or compat.is_dtensor(p) for p in self.params.values())
         self.shadow = {name: compat.local_weights(p)[0].detach().float().clone() for name, p in self.params.items()}
 
     @torch.no_grad()
@@ -75,8 +76,9 @@ class EMA:
                 self._gather(files, name, whole, 0)
                 self.shadow[name].copy_(whole.view_as(self.shadow[name]))
             else:  # this rank's slice of the flattened parameter; the padding past its end stays zero
-                self.shadow[name].zero_()
-                self._gather(files, name, self.shadow[name][:max(0, min(local.numel(), numel - offset))], offset)
+                flat = self.shadow[name].view(-1)  # ZeRO-3's partition is flat, an FSDP2 shard has the rows' shape
+                flat.zero_()
+                self._gather(files, name, flat[:max(0, min(local.numel(), numel - offset))], offset)
         return True
 
     @staticmethod

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from engine import compat
+from engine.fsdp2 import FSDP2Engine
 
 
 def export_hf_model(engine, processor, out_dir: str, rank: int, encoder_dir: str = "") -> bool:
@@ -26,6 +27,7 @@ def export_hf_model(engine, processor, out_dir: str, rank: int, encoder_dir: str
         partial = out_dir + ".partial"
         shutil.rmtree(partial, ignore_errors=True)
         engine.module.save_pretrained(partial, state_dict=state_dict)
+        record_architecture(partial, engine.module)
         processor.save_pretrained(partial)
         replace(partial, out_dir)
         if encoder_dir:
@@ -42,6 +44,8 @@ def full_state_dict(engine, rank: int) -> dict:
     """The whole model's weights on rank 0 ({} elsewhere). Under ZeRO-3 each module's parameters are gathered
     in turn (`deepspeed.zero.GatheredParameters`) and copied out, so no rank gathers the whole model at once; under
     tensor parallelism DeepSpeed's own consolidation does the same over the tensor groups too."""
+    if isinstance(engine, FSDP2Engine):
+        return engine.full_state_dict(rank)
     import deepspeed
 
     module = engine.module
@@ -60,6 +64,20 @@ def full_state_dict(engine, rank: int) -> dict:
             if rank == 0:
                 state.update({f"{prefix}.{n}" if prefix else n: p.detach().cpu().clone() for n, p in own.items()})
     return state
+
+
+def record_architecture(out_dir: str, module):
+    """config.json names the model's own class (save_pretrained wrote the class FSDP2 made of it)."""
+    import json
+
+    name = compat.model_class(module).__name__
+    path = os.path.join(out_dir, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    if config.get("architectures") != [name]:
+        config["architectures"] = [name]
+        with open(path, "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
 
 
 def replace(partial: str, out_dir: str):

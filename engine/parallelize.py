@@ -1,7 +1,9 @@
-"""Turn an unmodified Hugging Face model into a DeepSpeed engine: the one place a model is wrapped.
+"""Turn an unmodified Hugging Face model into a training engine, DeepSpeed's or FSDP2's: the one place a model is
+wrapped.
 
-`build_engine` is what train.py, the benchmark worker and the equivalence tests call; `parallelize` applies,
-in this order, activation checkpointing, ZeRO and torch.compile.
+`build_engine` is what train.py, the benchmark worker and the equivalence tests call. For DeepSpeed,
+`parallelize` applies, in this order, activation checkpointing, ZeRO and torch.compile; for FSDP2
+(engine/fsdp2.py), activation checkpointing, each block compiled, then `fully_shard`.
 """
 import contextlib
 import functools
@@ -14,7 +16,8 @@ from ac.profile import profile_model
 from config import Config
 from engine import compat
 from engine.ds_config import DTYPES, build_ds_config, resolve_precision
-from engine.memory import zero_memory_bytes
+from engine.fsdp2 import FSDP2Engine, fsdp2_config, shard
+from engine.memory import fsdp2_memory_bytes, zero_memory_bytes
 from engine.optim import freeze, lr_schedule, param_groups
 from engine.tensor_parallel import layout, rank_params, shard_head_biases, tp_config
 from models import build_model, width
@@ -24,16 +27,19 @@ from models.tasks import build_task_model
 
 @dataclass
 class Built:
-    engine: object  # deepspeed.DeepSpeedEngine: the model, its optimizer and its LR schedule
+    engine: object  # deepspeed.DeepSpeedEngine or FSDP2Engine: the model, its optimizer and its LR schedule
     ac_plan: dict  # what activation checkpointing applied, with its profile (ac_plan.json)
-    ds_config: dict  # the resolved DeepSpeed config (ds_config.json)
+    ds_config: dict  # the resolved engine config (ds_config.json; FSDP2's: fsdp2_config.json)
     precision: str  # fp32 | bf16 | fp16
     dtype: torch.dtype  # what the model's inputs are cast to
 
 
 def engine_config(cfg: Config, hidden_size: int, world_size: int) -> tuple[str, dict]:
-    """(precision, DeepSpeed config) of a run; raises ConfigError on contradictions, before anything runs."""
+    """(precision, engine config) of a run: DeepSpeed's config, or what FSDP2 is set up with; raises ConfigError
+    on contradictions, before anything runs."""
     precision = resolve_precision(cfg.precision)
+    if cfg.engine == "fsdp2":
+        return precision, fsdp2_config(cfg, precision, torch.cuda.is_available())
     return precision, build_ds_config(cfg, hidden_size, world_size, precision)
 
 
@@ -53,7 +59,7 @@ def build_training_model(cfg: Config, ds_config: dict, class_names=None, log=Non
         build = functools.partial(build_task_model, cfg.model, cfg.task, cfg.num_labels, cfg.image_size,
                                   cfg.patch_size, seed=cfg.seed, drop_path=cfg.drop_path, class_names=class_names,
                                   mask_ratio=cfg.mask_ratio)
-    if ds_config["zero_optimization"]["stage"] != 3:
+    if ds_config.get("zero_optimization", {}).get("stage") != 3:  # FSDP2: whole on each rank, then sharded
         model, processor = build()
     else:
         import deepspeed
@@ -80,6 +86,8 @@ def build_engine(model: torch.nn.Module, cfg: Config, world_size: int, device_ty
                  load_universal: bool = False) -> Built:
     """Wrap a freshly built model for training under `cfg`: train.py's path, and every benchmark's.
     `load_universal`: the engine will load a universal checkpoint (one written by another number of ranks)."""
+    if cfg.engine == "fsdp2":
+        return build_fsdp2(model, cfg, world_size, device_type, log)
     precision, ds_config = engine_config(cfg, width(model.config), world_size)
     if precision != "fp32" and any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
         # DeepSpeed casts the parameters to bf16/fp16 and leaves buffers in fp32 unless told: a batch norm (UperNet's)
@@ -89,6 +97,23 @@ def build_engine(model: torch.nn.Module, cfg: Config, world_size: int, device_ty
         ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
     engine, ac_plan = parallelize(model, cfg, ds_config, world_size, precision, device_type, log)
     return Built(engine, ac_plan, ds_config, precision, DTYPES[precision])
+
+
+def build_fsdp2(model: torch.nn.Module, cfg: Config, world_size: int, device_type: str, log=print) -> Built:
+    """Activation checkpointing (budgeted against what FSDP2 holds beside the activations), each block compiled
+    with `compile`, then `fully_shard` per block and on the root (engine/fsdp2.py)."""
+    precision, config = engine_config(cfg, width(model.config), world_size)
+    n = sum(p.numel() for p in model.parameters())
+    sizes = [sum(p.numel() for p in b.module.parameters()) for b in find_blocks(model)]
+    fixed = fsdp2_memory_bytes(n, n - sum(sizes), max(sizes), world_size, precision, reshard=cfg.zero_stage == 3,
+                               fused_adamw=device_type == "cuda")
+    ac_plan = apply_ac(model, cfg, fixed, precision, device_type, log)
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    shard(model, cfg, precision, device, compile_blocks=cfg.compile)
+    if cfg.compile:
+        log("compile: each block is compiled in place by torch.compile before fully_shard; the first steps are "
+            "slow while it compiles")
+    return Built(FSDP2Engine(model, cfg, device), ac_plan, config, precision, DTYPES[precision])
 
 
 def parallelize(model: torch.nn.Module, cfg: Config, ds_config: dict, world_size: int, precision: str,

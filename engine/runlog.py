@@ -11,6 +11,7 @@ import sys
 import yaml
 
 from config import Config, to_dict
+from engine import compat
 
 
 def _record_step(line: str) -> float:
@@ -39,11 +40,11 @@ class RunLog:
         out = cfg.output_dir
         with open(os.path.join(out, "config.yaml"), "w") as f:
             yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
-        with open(os.path.join(out, "ds_config.json"), "w") as f:
+        with open(os.path.join(out, "ds_config.json" if cfg.engine == "deepspeed" else "fsdp2_config.json"), "w") as f:
             json.dump(ds_config, f, indent=2)
         with open(os.path.join(out, "ac_plan.json"), "w") as f:
             json.dump(ac_plan, f, indent=1)
-        module.config.architectures = [type(module).__name__]  # as save_pretrained records it: the model's class
+        module.config.architectures = [compat.model_class(module).__name__]  # as save_pretrained records it
         module.config.save_pretrained(os.path.join(out, "hf_config"))  # for export.py
         processor.save_pretrained(os.path.join(out, "hf_config"))
         metrics_path = os.path.join(out, "metrics.jsonl")
