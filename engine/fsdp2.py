@@ -176,8 +176,10 @@ class FSDP2Engine:
         path = os.path.join(save_dir, tag)
         dcp.save(self._state(), checkpoint_id=path)
         if dist.get_rank() == 0:
+            # optimizer steps, not micro-batches: a resume may accumulate another number of micro-batches per step
             torch.save({"client_state": client_state, "lr_scheduler": self.lr_scheduler.state_dict(),
-                        "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps},
+                        "optimizer_steps": self.micro_steps // self.cfg.grad_accum_steps,
+                        "skipped_steps": self.skipped_steps},
                        os.path.join(path, ENGINE_STATE))
         dist.barrier()
 
@@ -193,7 +195,8 @@ class FSDP2Engine:
         set_state_dict(self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         extra = torch.load(os.path.join(path, ENGINE_STATE), weights_only=False)
         self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
-        self.micro_steps, self.skipped_steps = extra["micro_steps"], extra["skipped_steps"]
+        self.micro_steps = extra["optimizer_steps"] * self.cfg.grad_accum_steps
+        self.skipped_steps = extra["skipped_steps"]
         return path, extra["client_state"]
 
     def full_state_dict(self, rank: int) -> dict:

@@ -1,6 +1,7 @@
 """Run by tests/test_checkpointing.py on 2 ranks: every AC policy against `none`.
 
     deepspeed --num_gpus 2 --module tests.ac_equivalence ZERO_STAGE OUT.json [TP_SIZE]
+    deepspeed --num_gpus 2 --module tests.ac_equivalence fsdp2 OUT.json       # the FSDP2 engine (resharding)
 
 (the tests fork its ranks from the zygote instead: conftest.fork_launch with module="tests.ac_equivalence").
 
@@ -32,6 +33,9 @@ from models import build_model
 def main(argv):
     stage, out, *rest = [int(a) if a.isdigit() else a for a in argv if not a.startswith("--local_rank")]
     tp = rest[0] if rest else 1
+    engine_name = "fsdp2" if stage == "fsdp2" else "deepspeed"
+    stage = 3 if engine_name == "fsdp2" else stage  # FSDP2 reshards after forward, ZeRO-3's trade
+    zero3 = stage == 3 and engine_name == "deepspeed"  # DeepSpeed's partitioned parameters
     deepspeed.init_distributed()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     data_rank = layout(rank, tp)[0]
@@ -42,7 +46,7 @@ def main(argv):
         probe, _ = build_model(name, 10, 16)
         # stochastic depth on: every policy must replay its random draws exactly
         cfg = Config(model=name, zero_stage=stage, micro_batch_size=8, lr=1e-3, warmup_steps=1, max_steps=4,
-                     weight_decay=0.05, drop_path=0.1, tp_size=tp)
+                     weight_decay=0.05, drop_path=0.1, tp_size=tp, engine=engine_name)
         # what the blocks of one tensor rank save (the planner's profile of its share under TP)
         prof = profile_blocks(probe, torch.randn(8, 3, 16, 16)) if tp == 1 else profile_model(cfg, "cpu")[0]
         precision, ds = engine_config(cfg, probe.config.hidden_size, world)
@@ -52,7 +56,7 @@ def main(argv):
         for ac in ("none", "light", "full", "every_n:2", "selective", "hierarchical", f"auto:{mid:.9f}"):
             torch.manual_seed(0)
             model, _ = build_training_model(cfg, ds)  # under ZeRO-3, partitioned as it is built
-            if stage == 3 and ac == "none" and tp == 1:  # the seed alone sets the weights: partitioned equals whole, bitwise
+            if zero3 and ac == "none" and tp == 1:  # the seed alone sets the weights: partitioned equals whole, bitwise
                 params = list(model.parameters())
                 whole_model = build_model(name, 10, 16, seed=cfg.seed)[0]
                 with deepspeed.zero.GatheredParameters(params):
@@ -67,12 +71,12 @@ def main(argv):
             # the update DeepSpeed steps: torch's AdamW, foreach on CPU (ds_config's "fused" reaches torch)
             results["compat"]["optimizer"] = [type(engine.basic_optimizer).__name__,
                                               engine.basic_optimizer.defaults.get("fused")]
-            if stage == 3 and tp == 1:
+            if zero3 and tp == 1:
                 results["compat"]["zero3_linear_replaced"] = torch.nn.functional.linear is compat._zero3_linear
             torch.manual_seed(1)  # once: drop path draws the same numbers whatever the policy
             losses = []
             # ZeRO-1/2 (vit-debug, `none`): the last step's collectives, through DeepSpeed's own comms logger
-            logged = stage in (1, 2) and name == "vit-debug" and ac == "none" and tp == 1
+            logged = engine_name == "deepspeed" and stage in (1, 2) and name == "vit-debug" and ac == "none" and tp == 1
             for step in range(4):
                 g = torch.Generator().manual_seed(100 * step + data_rank)
                 x, y = torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
@@ -91,16 +95,17 @@ def main(argv):
                     "params": sum(p.numel() for p in engine.module.parameters()), "zero": ds["zero_optimization"],
                     "bytes": {op: sum(size * v[0] for size, v in sizes.items()) for op, sizes in raw.items()}}
             params = list(engine.module.parameters())
-            with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
-                flat = torch.cat([p.detach().flatten() for p in params])
+            with deepspeed.zero.GatheredParameters(params, enabled=zero3):  # FSDP2: each shard gathered whole
+                flat = torch.cat([(p.full_tensor() if compat.is_dtensor(p) else p).detach().flatten() for p in params])
             # every weight, bit for bit: the digest of their bytes in the model's own dtype
             results[f"{name}|{ac.split(':')[0]}"] = {"losses": losses, "weights_numel": flat.numel(),
                                                      "weights_sha256": hashlib.sha256(flat.numpy().tobytes()).hexdigest(),
                                                      "policies": [b["policy"] for b in plan["blocks"]],
                                                      "flops": counter.get_total_flops(),
                                                      "recompute_flops_planned": plan["recompute_matmul_flops"]}
-            engine.destroy()
-    if stage == 3 and tp == 1:  # a local Hugging Face directory loads into ZeRO-3 partitions and computes what it does whole
+            if engine_name == "deepspeed":
+                engine.destroy()
+    if zero3 and tp == 1:  # a local Hugging Face directory loads into ZeRO-3 partitions and computes what it does whole
         hf_dir = out + ".hf"
         if rank == 0:
             build_model("vit-debug", 10, 16, seed=3)[0].save_pretrained(hf_dir)

@@ -1,0 +1,80 @@
+"""The FSDP2 engine (`engine: fsdp2`, engine/fsdp2.py) through train.py: the same steps as DeepSpeed's, exact and
+elastic resume from its DCP checkpoints, the export, and what it refuses. Every policy bitwise equal to `none` under
+it: tests/test_checkpointing.py."""
+import json
+
+import pytest
+import torch
+from conftest import check_input, launch, read_metrics
+from safetensors.torch import load_file
+
+
+def test_fsdp2_steps_as_deepspeed_does(debug_args, tmp_path):
+    """20 steps of the debug ViT from one seed on 2 ranks, ZeRO-2 and FSDP2 (the same AdamW, clipping, schedule and
+    data): the losses and gradient norms agree within fp32 reduction order (1e-5 relative)."""
+    args = debug_args + ["--model", "vit-debug", "--max_steps", "20", "--eval_every", "0", "--save_every", "0"]
+    launch(args + ["--output_dir", tmp_path / "ds"])
+    proc = launch(args + ["--output_dir", tmp_path / "fsdp2", "--engine", "fsdp2"])
+    assert "FSDP2 (kept after forward) | AdamW" in proc.stdout
+    assert json.load(open(tmp_path / "fsdp2" / "fsdp2_config.json"))["reshard_after_forward"] is False
+    ds, fsdp2 = read_metrics(tmp_path / "ds"), read_metrics(tmp_path / "fsdp2")
+    assert [r["step"] for r in fsdp2] == list(range(1, 21))
+    for a, b in zip(ds, fsdp2):
+        assert b["lr"] == a["lr"]
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), a["step"]
+
+
+def test_fsdp2_resumes_exactly_on_any_number_of_ranks(debug_args, tmp_path):
+    """ZeRO-3's analogue (resharding after forward) with an EMA: a resume from the step-5 DCP checkpoint on 2
+    ranks and on 1 rank accumulating 2 micro-batches continues the run bitwise (losses, exported weights), and the
+    export equals the checkpoint's weights bitwise."""
+    args = debug_args + ["--model", "vit-debug", "--engine", "fsdp2", "--zero_stage", "3", "--max_steps", "10",
+                         "--save_every", "5", "--eval_every", "0", "--ema_decay", "0.9"]
+    full = tmp_path / "full"
+    launch(args + ["--output_dir", full])
+    expected = {r["step"]: r["loss"] for r in read_metrics(full)}
+    step5 = full / "checkpoints" / "step0000005"
+    assert json.load(open(step5 / "train_state.json"))["engine"] == "fsdp2"
+    for name, extra, nproc in [("same", [], 2), ("one-rank", ["--grad_accum_steps", "2"], 1)]:
+        out = tmp_path / name
+        proc = launch(args + extra + ["--output_dir", out, "--resume", step5], nproc=nproc)
+        assert "at step 5" in proc.stdout and "data order restarts" not in proc.stdout
+        assert {r["step"]: r["loss"] for r in read_metrics(out)} == {s: expected[s] for s in range(6, 11)}, name
+        resumed = load_file(out / "hf_model" / "model.safetensors")
+        for key, value in load_file(full / "hf_model" / "model.safetensors").items():
+            assert resumed[key].equal(value), (name, key)
+    # the export is the weights of the last checkpoint, read from DCP's files (in the model's own parameter names,
+    # which save_pretrained writes as the checkpoint format's)
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoModelForImageClassification
+
+    dcp_to_torch_save(full / "checkpoints" / "step0000010", tmp_path / "step10.pt")
+    saved = torch.load(tmp_path / "step10.pt", weights_only=False)["model"]
+    exported = AutoModelForImageClassification.from_pretrained(full / "hf_model").state_dict()
+    assert saved.keys() == exported.keys() and len(saved) == 40
+    assert all(saved[k].equal(exported[k]) for k in saved)
+    assert json.load(open(full / "hf_model" / "config.json"))["architectures"] == ["ViTForImageClassification"]
+
+
+def test_a_checkpoint_of_the_other_engine_is_one_line(debug_args, tmp_path):
+    args = debug_args + ["--model", "vit-debug", "--max_steps", "2", "--save_every", "2", "--eval_every", "0"]
+    launch(args + ["--output_dir", tmp_path / "ds"], nproc=1)
+    proc = launch(args + ["--output_dir", tmp_path / "f", "--engine", "fsdp2", "--resume",
+                          tmp_path / "ds" / "checkpoints" / "step0000002"], nproc=1, check=False)
+    assert proc.returncode == 2
+    assert "was written by engine deepspeed and this run uses fsdp2; resume it with --engine deepspeed" in proc.stderr
+    assert not (tmp_path / "f").exists()
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--tp_size", "2"], "engine fsdp2 with tp_size 2: tensor parallelism is DeepSpeed's AutoTP here"),
+    (["--optimizer", "muon"], "engine fsdp2 with optimizer muon: Muon is DeepSpeed's here"),
+    (["--ds_config", "ds_configs/zero3.json"], "engine fsdp2 with ds_config ds_configs/zero3.json"),
+    (["--precision", "fp16"], "engine fsdp2 with precision fp16"),
+    (["--engine", "megatron"], "engine"),
+])
+def test_what_fsdp2_does_not_do_is_one_line(extra, says, capsys, monkeypatch, tmp_path):
+    code, err = check_input(["--engine", "fsdp2", *extra, "--output_dir", tmp_path / "run"], capsys, monkeypatch)
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and says in err[0], err
+    assert not (tmp_path / "run").exists()
