@@ -34,7 +34,7 @@ class Config:
     # data
     train_shards: str = "data/digits/train-{000000..000003}.tar"  # WebDataset shard spec (brace pattern)
     val_shards: str = "data/digits/val-000000.tar"  # WebDataset shard spec for evaluation
-    data_mode: str = "epoch"  # epoch: each sample once per epoch | resampled: shards drawn with replacement (many nodes)
+    data_mode: str = "epoch"  # epoch: each sample once per epoch | resampled: shards drawn with replacement (many nodes) | synthetic: random images, no shards read (measuring the step; data/synthetic.py)
     num_workers: int = 1  # DataLoader worker processes per rank for training data
     data_streams: int = 0  # virtual streams the data order is cut into; 0 = ranks x grad_accum_steps x num_workers (docs/data.md)
     shuffle_buffer: int = 1000  # raw samples per shuffle block, per worker (memory: this many encoded images)
@@ -85,7 +85,7 @@ class Config:
 
 
 KEYS = {f.name: f for f in dataclasses.fields(Config)}
-CHOICES = {"engine": ("deepspeed", "fsdp2"), "task": ("classification", "mae", "simmim", "segmentation"), "optimizer": ("adamw", "muon"), "zero_stage": (1, 2, 3), "precision": ("fp32", "bf16", "fp16", "auto"), "data_mode": ("epoch", "resampled")}
+CHOICES = {"engine": ("deepspeed", "fsdp2"), "task": ("classification", "mae", "simmim", "segmentation"), "optimizer": ("adamw", "muon"), "zero_stage": (1, 2, 3), "precision": ("fp32", "bf16", "fp16", "auto"), "data_mode": ("epoch", "resampled", "synthetic")}
 
 
 def _coerce(key: str, value, from_cli: bool):

@@ -8,7 +8,8 @@ checkpoint's fp32 master copy, merged from every rank's partitions by DeepSpeed'
 and written shard by shard (safetensors, 5 GB shards), so host memory never holds more than one shard of the
 model. A tensor-parallel checkpoint (`tp_size` > 1) is merged per tensor rank (ZeRO-1/2's the same way, ZeRO-3's
 from its partitions as DeepSpeed lays them out under AutoTP), then each split weight is concatenated along its
-split dimension, one weight at a time. config.json and the image processor come from the run's `hf_config/`,
+split dimension, one weight at a time. An FSDP2 checkpoint (torch.distributed.checkpoint's files) is read tensor
+by tensor without a process group, each weight whole from every rank's shards. config.json and the image processor come from the run's `hf_config/`,
 which train.py writes at start. The directory is written under `OUT.partial` and renamed when complete.
 """
 import argparse
@@ -16,6 +17,7 @@ import json
 import os
 import shutil
 import sys
+import warnings
 
 DTYPES = ("fp32", "bf16", "fp16")
 MAX_SHARD = "5GB"
@@ -45,7 +47,9 @@ def export(checkpoint: str, out: str, dtype: str = "fp32", log=print):
     shutil.copytree(hf_config, partial)
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     try:
-        if tp_size > 1:
+        if state.get("engine") == "fsdp2":
+            merge_fsdp2(checkpoint, partial, torch_dtype)
+        elif tp_size > 1:
             merge_tensor_parallel(checkpoint, tp_size, hf_config, partial, torch_dtype, state.get("zero_stage"))
         else:
             merge_data_parallel(checkpoint, partial, torch_dtype, state.get("zero_stage"))
@@ -98,6 +102,27 @@ def merge_data_parallel(checkpoint: str, out: str, dtype, zero_stage):
                             weights_only=False)["module"]  # mapped: only the tensors taken are read
         state.update({name: tensor for name, tensor in module.items() if name not in state})
     write_safetensors(state, lambda name: state[name].contiguous(), out, dtype)
+
+
+def merge_fsdp2(checkpoint: str, out: str, dtype):
+    """The fp32 weights of an FSDP2 checkpoint (the DCP files every rank wrote), each assembled whole from its
+    shards as its safetensors shard is written, one weight in memory at a time beside the shard."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    stored = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    shapes = {key[len("model."):]: torch.empty(meta.size, dtype=meta.properties.dtype, device="meta")
+              for key, meta in stored.items() if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+
+    def tensor(name):
+        whole = {"model": {name: torch.empty(shapes[name].shape, dtype=shapes[name].dtype)}}
+        with warnings.catch_warnings():  # DCP says it loads in one process, which is the intent here
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.load(whole, checkpoint_id=checkpoint, no_dist=True)
+        return whole["model"][name]
+
+    write_safetensors(shapes, tensor, out, dtype)
 
 
 def write_safetensors(shapes: dict, tensor, out: str, dtype):

@@ -32,6 +32,8 @@ from config import Config, ConfigError, parse
 from data.loader import (ShardStream, TrainLoader, check_labels, check_masks, check_streams, eval_batches,
                          merge_states, resume_state)
 from data.shards import DataError, parse_spec
+from data.synthetic import SyntheticBatches
+from data.synthetic import val_batches as synthetic_val
 from data.transforms import (EvalTransform, Normalize, SegEvalTransform, SegTrainTransform, TrainTransform,
                              mix_batch)
 from engine import compat
@@ -84,14 +86,16 @@ class Checked:
 
 def check_run(cfg: Config, world_size: int, rank: int) -> Checked:
     """Every check on the input that can fail, before anything is written or any process group forms."""
-    train_sources = parse_spec(cfg.train_shards, "train_shards")
-    val_sources = parse_spec(cfg.val_shards, "val_shards")
-    names = train_sources[0].class_names
+    synthetic = cfg.data_mode == "synthetic"  # no shards read (data/synthetic.py)
+    train_sources = [] if synthetic else parse_spec(cfg.train_shards, "train_shards")
+    val_sources = [] if synthetic else parse_spec(cfg.val_shards, "val_shards")
+    names = train_sources[0].class_names if train_sources else None
     if names is not None and len(names) != cfg.num_labels:
         raise ConfigError(f"num_labels is {cfg.num_labels} but the train shards' _info.json lists {len(names)} classes")
     check = check_masks if cfg.task == "segmentation" else check_labels  # MAE and SimMIM read labelled shards too
-    check(train_sources, cfg.num_labels, "train_shards")
-    check(val_sources, cfg.num_labels, "val_shards")
+    if not synthetic:
+        check(train_sources, cfg.num_labels, "train_shards")
+        check(val_sources, cfg.num_labels, "val_shards")
     # an unknown model name or a task it cannot do raises here; a contradicting DeepSpeed JSON below
     defined = run_config(cfg)[0]
     check_tp(defined, cfg.tp_size, world_size, ranks_per_node())
@@ -112,7 +116,7 @@ def check_run(cfg: Config, world_size: int, rank: int) -> Checked:
                           "and NVMe-offloaded partitions are not there; offload to cpu or set ema_decay 0")
     check_policy(cfg.ac, "cuda" if torch.cuda.is_available() else "cpu")
     data_ranks = world_size // cfg.tp_size  # the ranks of a tensor group read the same micro-batches
-    if cfg.data_streams and (why := check_streams(cfg.data_streams, data_ranks, cfg.grad_accum_steps, cfg.num_workers)):
+    if cfg.data_streams and not synthetic and (why := check_streams(cfg.data_streams, data_ranks, cfg.grad_accum_steps, cfg.num_workers)):
         raise ConfigError(f"data_streams: {why}")
     if cfg.warmup_steps >= cfg.max_steps and rank == 0:  # a short debug run may mean it; say what it does
         print(f"warning: warmup_steps {cfg.warmup_steps} >= max_steps {cfg.max_steps}: the learning rate rises "
@@ -309,6 +313,9 @@ def build_data(run: Run, model: Model, start: Start) -> Data:
     read exactly what the uninterrupted run would have read next."""
     cfg, processor = run.cfg, model.processor
     segmentation = cfg.task == "segmentation"  # (image, mask) samples, transformed together
+    if cfg.data_mode == "synthetic":
+        shape = (cfg.micro_batch_size, cfg.image_size, cfg.num_labels, cfg.task, cfg.seed, run.data_rank)
+        return Data(SyntheticBatches(*shape), None, Normalize(processor), functools.partial(synthetic_val, *shape))
     train_transform, eval_transform = (SegTrainTransform, SegEvalTransform) if segmentation else \
         (TrainTransform, EvalTransform)
     train_stream = ShardStream(

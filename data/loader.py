@@ -417,6 +417,8 @@ def resume_state(saved: dict | None, *, step: int, mode: str, seed: int, data_st
     """(state, streams, None) to continue the saved data position on this run's layout, or (None, 0, reason)."""
     if not saved:
         return None, 0, "no data position in the checkpoint"
+    if mode == "synthetic" or saved["layout"].get("mode") == "synthetic":
+        return None, 0, "synthetic data has no position"
     layout = saved["layout"]
     now = {"mode": mode, "seed": seed, "micro_batch_size": micro_batch_size, "shuffle_buffer": max(1, shuffle_buffer)}
     changed = [f"{k} {layout.get(k)} -> {v}" for k, v in now.items() if layout.get(k) != v]

@@ -174,7 +174,9 @@ class FSDP2Engine:
         import torch.distributed.checkpoint as dcp
 
         path = os.path.join(save_dir, tag)
-        dcp.save(self._state(), checkpoint_id=path)
+        # a tensor every rank holds (a batch norm's running statistics, each rank's own) is written from rank 0, as
+        # DeepSpeed writes the module's buffers, and as the export takes them
+        dcp.save(self._state(), checkpoint_id=path, planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
         if dist.get_rank() == 0:
             # optimizer steps, not micro-batches: a resume may accumulate another number of micro-batches per step
             torch.save({"client_state": client_state, "lr_scheduler": self.lr_scheduler.state_dict(),
@@ -187,12 +189,19 @@ class FSDP2Engine:
         """(path, client_state) of the checkpoint `load_dir/tag`, loaded into the shards of this run's ranks,
         whatever number of ranks wrote it."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         path = os.path.join(load_dir, tag)
         state = self._state()
+        # a parameter without gradients when the checkpoint was written (one the forward does not use: UperNet's
+        # backbone's last norm) had no AdamW state; it has none to load now either
+        stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        state["optim"]["state"] = {name: s for name, s in state["optim"]["state"].items()
+                                   if all(f"optim.state.{name}.{k}" in stored for k in s)}
         dcp.load(state, checkpoint_id=path)
-        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        # not strict: the parameters left out above; DCP's load has already refused a checkpoint missing a weight
+        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(strict=False))
         extra = torch.load(os.path.join(path, ENGINE_STATE), weights_only=False)
         self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         self.micro_steps = extra["optimizer_steps"] * self.cfg.grad_accum_steps
