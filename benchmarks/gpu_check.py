@@ -1,12 +1,16 @@
 """The GPU check: what one call on the one-H200 machine measures, in parts, each under its own time limit, inside
 one time budget, with every result written to the output folder (benchmarks/gpu_check.sh runs it; read it first).
 
-    python3 -m benchmarks.gpu_check OUT                      # every part that fits the budget (BUDGET_S, 480 s)
+    python3 -m benchmarks.gpu_check OUT                      # the second version's parts (1 7 8 9) in the budget
     PARTS="5 6" python3 -m benchmarks.gpu_check OUT          # those parts only: a second call
     SMOKE=1 python3 -m benchmarks.gpu_check OUT              # on CPU, tiny shapes, fp32: the same files
 
-Parts:
+Parts (the default, the check's second version: 1, 7, 8 and 9; the first version's 2-6 by PARTS):
   1 machine   versions (against benchmarks/device/stack.txt), the device, a GEMM's rate (bf16 8192^3: MFU's peak)
+  7 trainer   ViT-L/16 at 224^2 through train.py (synthetic data, bf16) at plan.py's micro-batch: FSDP2 at none,
+              light and selective; DeepSpeed ZeRO-3 at none and light, ZeRO-2 and ZeRO-1 at none
+  8 compiled  part 7's FSDP2 + none with each block compiled, and ZeRO-3 + none under DeepCompile
+  9 worker    part 7's FSDP2 + none through the benchmark worker's plain FSDP2 (train.py within 5% of it?)
   2 vit-l     ViT-L/16 at 224^2, micro-batch 32: FSDP2, ZeRO-2 and ZeRO-3 at none, selective and full
               (train_bench.py's gpu-check suite: images/s, MFU, torch.cuda peaks against plan.py's)
   3 digits    train.py's main job (configs/digits-vit.yaml) in bf16 on one rank, with its evaluation
@@ -41,6 +45,9 @@ TRACE_LIMIT_BYTES = 15 * 2**20  # a returned file's limit is 16 MiB
 TRACED = ("deepspeed-zero3-none", "deepspeed-zero3-selective", "fsdp2-reshard-none")
 # the targets on the H200 (docs/benchmarks.md)
 TARGET_MFU, TARGET_DS_SPEED, TARGET_SELECTIVE, TARGET_PEAK_ERROR = 0.40, 0.95, 1.10, 0.10
+# the second version's (docs/benchmarks.md): MFU through train.py, and the plain FSDP2 script's best
+# ViT-L/16 images/s on one H200 (2026-12-04, micro-batch 256: results/gpu-check/2026-12-04-parts-1-4/README.md)
+TARGET_TRAINER_MFU, PLAIN_SCRIPT_BEST = 0.45, 1152
 
 
 class Part:
@@ -56,7 +63,11 @@ PARTS = [Part(1, "machine", (25, 15), (90, 60), "versions, device, GEMM rate"),
          Part(3, "digits", (60, 60), (150, 150), "train.py's main job, bf16, with evaluation"),
          Part(4, "policies", (60, 30), (150, 120), "every ac policy against none, ZeRO-3, bf16"),
          Part(5, "planned", (420, 90), (480, 200), "ViT-L/16 at plan.py's micro-batch"),
-         Part(6, "compile", (150, 60), (240, 150), "torch.compile and deepcompile")]
+         Part(6, "compile", (150, 60), (240, 150), "torch.compile and deepcompile"),
+         Part(7, "trainer", (220, 150), (330, 300), "ViT-L/16 through train.py at plan.py's micro-batch"),
+         Part(9, "worker", (40, 40), (90, 120), "part 7's FSDP2 + none through the benchmark worker"),
+         Part(8, "compiled", (200, 120), (300, 300), "part 7's FSDP2 compiled per block; ZeRO-3 under DeepCompile")]
+DEFAULT_PARTS = (1, 7, 8, 9)
 
 
 class Timeout(Exception):
@@ -290,8 +301,112 @@ def compiled(check: Check) -> dict:
     return result
 
 
+# ----------------------------------------------------------------------------- the second version: train.py on ViT-L
+VIT_L = ["--model", "vit-large", "--image_size", 224, "--patch_size", 16, "--num_labels", 1000, "--precision", "bf16"]
+SMOKE_SHAPE = ["--model", "vit-debug", "--image_size", 16, "--num_labels", 10, "--precision", "fp32"]
+TRAINER_STEPS, STEADY_FROM = (16, 5), (8, 3)  # (GPU, smoke): steps of a job, and the first step its speed counts
+TRAINER_RUNS = [("fsdp2", 3, "none"), ("fsdp2", 3, "light"), ("fsdp2", 3, "selective"), ("deepspeed", 3, "none"),
+                ("deepspeed", 3, "light"), ("deepspeed", 2, "none"), ("deepspeed", 1, "none")]
+
+
+def steady_images_per_sec(records: list, first: int) -> float | None:
+    """Images over seconds of the steps from `first` on: each record carries its logging interval's images/s."""
+    steady = [r for r in records if r["step"] >= first]
+    # each step is one global batch B, which took B / (its interval's images/s) seconds
+    return len(steady) / sum(1 / r["images_per_sec"] for r in steady) if steady else None
+
+
+def trainer_job(check: Check, name: str, engine: str, stage: int, ac: str, micro: int, *extra) -> dict:
+    """One train.py job on synthetic data: its steady images/s, peak memory and the loss it ended at."""
+    out = os.path.join(check.work, name)
+    steps, first = TRAINER_STEPS[SMOKE], STEADY_FROM[SMOKE]
+    args = [*(SMOKE_SHAPE if SMOKE else VIT_L), "--engine", engine, "--zero_stage", stage, "--ac", ac,
+            "--micro_batch_size", micro, "--data_mode", "synthetic", "--max_steps", steps, "--log_every", 4,
+            "--eval_every", 0, "--save_every", 0, "--warmup_steps", 1000, "--output_dir", out, "--progress", "false",
+            *extra]
+    started = time.monotonic()
+    rc = check.torchrun("train.py", *args)
+    if rc != 0 or not os.path.exists(os.path.join(out, "summary.json")):
+        return {"error": f"train.py exited {rc} (gpu_check.log)", "seconds": round(time.monotonic() - started, 1)}
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    shutil.rmtree(os.path.join(out, "hf_model"), ignore_errors=True)  # the scratch disk: a ViT-L export is 1.2 GB
+    return {"engine": engine, "zero_stage": stage, "ac": ac, "micro_batch_size": micro, "extra": list(map(str, extra)),
+            "images_per_sec": steady_images_per_sec(records, first),
+            "images_per_sec_all": read_json(os.path.join(out, "summary.json"))["images_per_sec"],
+            "peak_mem_bytes": max(r.get("peak_mem_bytes") or 0 for r in records), "loss": records[-1]["loss"],
+            "seconds": round(time.monotonic() - started, 1)}
+
+
+def forward_flops_per_image() -> float:
+    """The model's forward FLOPs per image (matmuls and attention), from the planner's profile on the meta device."""
+    from ac.profile import profile_model
+    from config import Config
+
+    cfg = Config(model="vit-debug", image_size=16, num_labels=10, micro_batch_size=1) if SMOKE else \
+        Config(model="vit-large", image_size=224, patch_size=16, num_labels=1000, micro_batch_size=1)
+    return profile_model(cfg, "cpu" if SMOKE else "cuda")[0].forward_flops
+
+
+def with_mfu(check: Check, job: dict, flops: float) -> dict:
+    gemm = check.results["parts"].get("machine", {}).get("figures", {}).get("gemm", {}).get("tflops_median")
+    if job.get("images_per_sec") and gemm:
+        job["mfu"] = job["images_per_sec"] * 3 * flops / (gemm * 1e12)
+    return job
+
+
+def trainer(check: Check) -> dict:
+    micro = planned_micro_batch(check)
+    check.say(f"   plan.py's micro-batch: {micro}")
+    flops = forward_flops_per_image()
+    jobs = {}
+    for engine, stage, ac in TRAINER_RUNS:
+        name = f"{engine}-zero{stage}-{ac}"
+        jobs[name] = with_mfu(check, trainer_job(check, name, engine, stage, ac, micro), flops)
+        check.say(f"   {name}: " + (f"{jobs[name]['images_per_sec']:.0f} img/s" if jobs[name].get("images_per_sec")
+                                     else jobs[name].get("error", "")))
+    return {"micro_batch_size": micro, "forward_flops_per_image": flops, "jobs": jobs}
+
+
+def compiled_trainer(check: Check) -> dict:
+    micro = (check.results["parts"].get("trainer", {}).get("figures") or {}).get("micro_batch_size") \
+        or planned_micro_batch(check)
+    flops = forward_flops_per_image()
+    jobs = {"fsdp2-zero3-none-compiled": ("fsdp2", 3, ["--compile", "true"]),
+            "deepspeed-zero3-none-deepcompile": ("deepspeed", 3, ["--compile", "true", "--ds_config",
+                                                                  "ds_configs/zero3_deepcompile.json"])}
+    result = {"micro_batch_size": micro, "jobs": {}}
+    for name, (engine, stage, extra) in jobs.items():
+        if SMOKE and "deepcompile" in name:
+            result["jobs"][name] = {"skipped": "DeepCompile needs a GPU"}
+            continue
+        result["jobs"][name] = with_mfu(check, trainer_job(check, name, engine, stage, "none", micro, *extra), flops)
+    return result
+
+
+def worker(check: Check) -> dict:
+    """Part 7's FSDP2 + none through benchmarks/bench_worker.py's plain FSDP2 (fully_shard per block, torch's clip)."""
+    micro = (check.results["parts"].get("trainer", {}).get("figures") or {}).get("micro_batch_size") \
+        or planned_micro_batch(check)
+    shape = {"model": "vit-debug", "image_size": 16, "patch_size": 0} if SMOKE else \
+        {"model": "vit-large", "image_size": 224, "patch_size": 16}
+    spec = {"engine": "fsdp2", **shape, "micro_batch_size": micro, "reshard": True, "ac": "none", "num_labels": 1000,
+            "profiled_steps": 2, "warmup_steps": 2, "timed_steps": 8 if not SMOKE else 2, "count_flops": False}
+    out = os.path.join(check.work, "worker.json")
+    rc = check.torchrun("-m", "benchmarks.bench_worker", "--spec", json.dumps(spec), "--out", out)
+    if rc != 0 or not os.path.exists(out):
+        raise RuntimeError(f"bench_worker exited {rc} (gpu_check.log)")
+    result = read_json(out)
+    figures = {"spec": spec, "images_per_sec": result["images_per_sec"], "peak_alloc_bytes": result["peak_alloc_bytes"]}
+    trained = (check.results["parts"].get("trainer", {}).get("figures") or {}).get("jobs", {}).get(
+        "fsdp2-zero3-none", {}).get("images_per_sec")
+    if trained:
+        figures["trainer_over_worker"] = trained / result["images_per_sec"]
+    return figures
+
+
 RUNNERS = {"machine": machine, "vit-l": vit_l, "digits": digits, "policies": policies, "planned": planned,
-           "compile": compiled}
+           "compile": compiled, "trainer": trainer, "compiled": compiled_trainer, "worker": worker}
 
 
 # ----------------------------------------------------------------------------- the report
@@ -342,6 +457,49 @@ def targets(results: dict) -> list:
                              f"{r['step_measured'] * 1e3:.0f} ms; host {r['host_micro_s'] * 1e3:.0f} ms per "
                              f"micro-batch{', host-bound' if r['host_bound'] else ''})",
                              "met" if abs(r["step_error"]) <= 0.25 else "missed"))
+    rows += trainer_targets(parts)
+    return rows
+
+
+def trainer_targets(parts: dict) -> list:
+    """The second version's targets on part 7's train.py jobs (one repeat each: points, not intervals)."""
+    jobs = {k: v for k, v in ((parts.get("trainer", {}).get("figures") or {}).get("jobs") or {}).items()
+            if v.get("images_per_sec")}
+    jobs.update({k: v for k, v in ((parts.get("compiled", {}).get("figures") or {}).get("jobs") or {}).items()
+                 if v.get("images_per_sec")})
+    if not jobs:
+        return []
+    rows = []
+    best = max(jobs.items(), key=lambda kv: kv[1]["images_per_sec"])
+    if best[1].get("mfu"):
+        rows.append((f"ViT-L/16 through train.py: MFU >= {TARGET_TRAINER_MFU:.0%} (best engine)",
+                     f"{best[1]['mfu']:.1%} ({best[0]})", "met" if best[1]["mfu"] >= TARGET_TRAINER_MFU else "missed"))
+    rows.append((f"best >= 1.0x the plain FSDP2 script's best ({PLAIN_SCRIPT_BEST:,} img/s)",
+                 f"{best[1]['images_per_sec'] / PLAIN_SCRIPT_BEST:.3f}x ({best[0]})",
+                 "met" if best[1]["images_per_sec"] >= PLAIN_SCRIPT_BEST else "missed"))
+    deepspeed = [(v["images_per_sec"], k) for k, v in jobs.items() if k.startswith("deepspeed")]
+    if deepspeed:
+        ds = max(deepspeed)
+        rows.append((f"DeepSpeed's best >= 0.9x the plain script's best", f"{ds[0] / PLAIN_SCRIPT_BEST:.3f}x ({ds[1]})",
+                     "met" if ds[0] >= 0.9 * PLAIN_SCRIPT_BEST else "missed"))
+    for ac in ("none", "light"):
+        ds, fs = jobs.get(f"deepspeed-zero3-{ac}"), jobs.get(f"fsdp2-zero3-{ac}")
+        if ds and fs:
+            ratio = ds["images_per_sec"] / fs["images_per_sec"]
+            rows.append((f"ZeRO-3 >= 0.8x FSDP2 at equal micro-batch ({ac})", f"{ratio:.3f}x",
+                         "met" if ratio >= 0.8 else "missed"))
+    for engine in ("fsdp2-zero3", "deepspeed-zero3"):
+        none = jobs.get(f"{engine}-none")
+        for ac in ("light", "selective"):
+            other = jobs.get(f"{engine}-{ac}")
+            if none and other:
+                extra = none["images_per_sec"] / other["images_per_sec"] - 1  # step time over none's
+                rows.append((f"{engine}: {ac} <= +10% step time over none", f"{extra:+.1%}",
+                             "met" if extra <= 0.10 else "missed"))
+    worker = (parts.get("worker", {}).get("figures") or {}).get("trainer_over_worker")
+    if worker:
+        rows.append(("train.py's FSDP2 within 5% of the worker's plain FSDP2", f"{worker:.3f}x",
+                     "met" if abs(worker - 1) <= 0.05 else "missed"))
     return rows
 
 
@@ -364,6 +522,15 @@ def headline(name: str, figures: dict) -> str:
         exact = sum(r["bitwise_equal"] for r in figures["policies"].values())
         return (f"{exact} of {len(figures['policies'])} policies bitwise equal to none; largest loss difference "
                 f"{worst[1]['max_abs_loss_diff']:.1e} ({worst[0]})")
+    if name in ("trainer", "compiled"):
+        ran = {k: v for k, v in figures["jobs"].items() if v.get("images_per_sec")}
+        best = max(ran.items(), key=lambda kv: kv[1]["images_per_sec"]) if ran else None
+        return (f"{len(ran)} of {len(figures['jobs'])} jobs ran at micro-batch {figures['micro_batch_size']}" +
+                (f"; fastest {best[0]} {best[1]['images_per_sec']:.0f} img/s" +
+                 (f", MFU {best[1]['mfu']:.1%}" if best[1].get("mfu") else "") if best else ""))
+    if name == "worker":
+        return (f"worker FSDP2 {figures['images_per_sec']:.0f} img/s" +
+                (f"; train.py {figures['trainer_over_worker']:.3f}x of it" if "trainer_over_worker" in figures else ""))
     if name == "compile":
         return "; ".join(f"{k}: " + (f"{v['images_per_sec']:.0f} img/s" if "images_per_sec" in v else
                                      v.get("error") or v.get("skipped", "")) for k, v in figures.items())
@@ -404,7 +571,19 @@ def write_report(check: Check):
                           f"{v['step_ms_median']:.1f}",
                           f"{v['peak_alloc_bytes'] / 2**20:.0f}" if v["peak_alloc_bytes"] else "n/a (CPU)")
                          for k, v in policies_part["policies"].items()]), ""]
-    for name in ("digits", "compile"):
+    for name, title in (("trainer", "ViT-L/16 through train.py"), ("compiled", "ViT-L/16 through train.py, compiled")):
+        figures = parts.get(name, {}).get("figures")
+        if figures:
+            lines += [f"## {title}, micro-batch {figures['micro_batch_size']}, synthetic data", "",
+                      table(["job", "images/s (steady)", "images/s (all)", "MFU", "peak GiB", "last loss", "seconds"],
+                            [(k, f"{v['images_per_sec']:.0f}" if v.get("images_per_sec") else
+                              v.get("error") or v.get("skipped", ""),
+                              f"{v['images_per_sec_all']:.0f}" if v.get("images_per_sec_all") else "",
+                              f"{v['mfu']:.1%}" if v.get("mfu") else "",
+                              f"{v['peak_mem_bytes'] / 2**30:.2f}" if v.get("peak_mem_bytes") else "",
+                              f"{v['loss']:.4f}" if "loss" in v else "", v.get("seconds", ""))
+                             for k, v in figures["jobs"].items()]), ""]
+    for name in ("digits", "compile", "worker"):
         figures = parts.get(name, {}).get("figures")
         if figures:
             lines += [f"## {name}", "", "```", json.dumps(figures, indent=1), "```", ""]
@@ -439,7 +618,7 @@ def main(argv=None) -> int:
     if len(argv) != 1:
         sys.exit(__doc__)
     check = Check(argv[0])
-    wanted = {int(p) for p in os.environ.get("PARTS", " ".join(str(p.number) for p in PARTS)).split()}
+    wanted = {int(p) for p in os.environ.get("PARTS", " ".join(map(str, DEFAULT_PARTS))).split()}
     interrupted = []
 
     def stop(signum, frame):  # an outer limit: end the part running, then write what there is
