@@ -208,6 +208,18 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if is_dtensor(t) else t
 
 
+def foreach_norms_float64(tensors: list) -> list:
+    """Each tensor's L2 norm, accumulated in float64, in a few multi-tensor kernels (torch's own clipping uses them)."""
+    _require("torch", "foreach_norms_float64")
+    return list(torch._foreach_norm(tensors, 2.0, dtype=torch.float64))
+
+
+def foreach_scale_(tensors: list, factor: torch.Tensor):
+    """Multiply every tensor in place by a 0-d tensor `factor`, without reading it on the host."""
+    _require("torch", "foreach_scale_")
+    torch._foreach_mul_(tensors, factor)
+
+
 def is_fsdp2_module(m: torch.nn.Module) -> bool:
     """A module `fully_shard` wrapped (FSDP2)."""
     from torch.distributed.fsdp import FSDPModule

@@ -125,8 +125,8 @@ class FSDP2Engine:
         finite = torch.isfinite(self.norm)
         if self.cfg.grad_clip > 0:
             coef = torch.clamp(self.cfg.grad_clip / (self.norm + 1e-6), max=1.0)
-            torch._foreach_mul_([compat.local_tensor(p.grad) for p in self.params if p.grad is not None],
-                                coef.to(self.device))
+            compat.foreach_scale_([compat.local_tensor(p.grad) for p in self.params if p.grad is not None],
+                                  coef.to(self.device))
         if self.device.type == "cuda":  # the fused update skips a non-finite step on the device: no sync
             self.optimizer.found_inf = (~finite).float().to(self.device)
             self.optimizer.step()
@@ -146,9 +146,8 @@ class FSDP2Engine:
         """The L2 norm of every gradient, its squares summed in float64 across shards and ranks, rounded to fp32
         once: the same value for any number of ranks (DeepSpeed's side does the same, engine/compat.py)."""
         local = [compat.local_tensor(p.grad) for p in self.params if p.grad is not None]
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for g in local:
-            total += g.double().pow(2).sum()
+        norms = compat.foreach_norms_float64(local)
+        total = torch.stack(norms).pow(2).sum() if norms else torch.zeros((), dtype=torch.float64, device=self.device)
         dist.all_reduce(total)
         return total.sqrt().float()
 

@@ -40,7 +40,8 @@ class OpLog(TorchDispatchMode):
     (compat.zero3_hpz_ranks, (None,)), (compat.universal_load_keeps_group_settings, (None,)),
     (compat.is_compiled_in_place, (None,)), (compat.autotp_sees_one_head_count, (None,)),
     (compat.tp_gathered_parameters, (None,)), (compat.mae_fixed_position_embeddings, (None,)),
-    (compat.zero12_grad_norm_in_float64, (None,)), (compat.deepspeed_arch_list, ())])
+    (compat.zero12_grad_norm_in_float64, (None,)), (compat.deepspeed_arch_list, ()),
+    (compat.local_tensor, (None,)), (compat.foreach_norms_float64, ([],)), (compat.foreach_scale_, ([], None))])
 def test_each_function_refuses_another_version(monkeypatch, function, args):
     monkeypatch.setattr(compat, "SUPPORTED", {k: ((0, 0), (0, 1)) for k in compat.SUPPORTED})
     with pytest.raises(compat.CompatError, match=rf"compat.py:{function.__name__} relies on (torch|deepspeed|transformers) "
