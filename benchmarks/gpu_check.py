@@ -117,6 +117,10 @@ class Check:
 
 
 def commit() -> str:
+    """The commit the tree is at: GPU_CHECK_COMMIT when the caller names it (a copied tree's .git may be another
+    commit's, or absent), else git's HEAD."""
+    if os.environ.get("GPU_CHECK_COMMIT"):
+        return os.environ["GPU_CHECK_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
                               timeout=10).stdout.strip() or "unknown"
