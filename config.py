@@ -169,17 +169,16 @@ def parse(argv=None) -> Config:
 
 
 def _accelerate(cfg: Config, given: dict, env):
-    """`accelerate launch --config_file X.yaml` with `distributed_type: DEEPSPEED` passes its DeepSpeed plugin's
-    settings as ACCELERATE_* variables: they set ds_config, zero_stage, grad_accum_steps, grad_clip and
-    precision. A key the recipe or the command line also gives must agree; a contradiction is an error naming
-    both. mixed_precision `no` (accelerate's default) leaves `precision` to this config."""
-    if env.get("ACCELERATE_USE_DEEPSPEED") != "true":
+    """`accelerate launch --config_file X.yaml` passes its plugin's settings as environment variables.
+    `distributed_type: DEEPSPEED` (ACCELERATE_DEEPSPEED_*): they set ds_config, zero_stage, grad_accum_steps,
+    grad_clip and precision. `distributed_type: FSDP` with `fsdp_version: 2` (FSDP_*): the FSDP2 engine, zero_stage
+    from fsdp_reshard_after_forward, and precision. A key the recipe or the command line also gives must agree; a
+    contradiction is an error naming both. mixed_precision `no` (accelerate's default) leaves `precision` to
+    this config."""
+    deepspeed, fsdp = env.get("ACCELERATE_USE_DEEPSPEED") == "true", env.get("ACCELERATE_USE_FSDP") == "true"
+    if not (deepspeed or fsdp):
         return
     import json
-
-    if given.get("engine") and cfg.engine != "deepspeed":
-        raise ConfigError(f"the accelerate config selects DeepSpeed but {given['engine']} says engine {cfg.engine}: "
-                          f"launch with an FSDP config (accelerate_configs/fsdp2.yaml) or drop engine")
 
     def take(key, value, what):
         if key in given and getattr(cfg, key) != value:
@@ -187,6 +186,15 @@ def _accelerate(cfg: Config, given: dict, env):
                               f"{getattr(cfg, key)}: remove one of them")
         setattr(cfg, key, value)
 
+    precision = env.get("ACCELERATE_MIXED_PRECISION", "no")
+    if precision in ("bf16", "fp16"):
+        take("precision", precision, f"mixed_precision {precision}")
+    elif precision != "no":
+        raise ConfigError(f"the accelerate config's mixed_precision {precision} is not supported: use no, bf16 or fp16")
+    if fsdp:
+        _accelerate_fsdp(env, take)
+        return
+    take("engine", "deepspeed", "distributed_type DEEPSPEED")
     path = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     if path:
         take("ds_config", path, f"deepspeed_config_file {path}")
@@ -205,11 +213,6 @@ def _accelerate(cfg: Config, given: dict, env):
     if "ACCELERATE_GRADIENT_CLIPPING" in env and env["ACCELERATE_GRADIENT_CLIPPING"] not in ("none", "auto"):
         clip = float(env["ACCELERATE_GRADIENT_CLIPPING"])
         take("grad_clip", clip, f"gradient_clipping {clip:g}")
-    precision = env.get("ACCELERATE_MIXED_PRECISION", "no")
-    if precision in ("bf16", "fp16"):
-        take("precision", precision, f"mixed_precision {precision}")
-    elif precision != "no":
-        raise ConfigError(f"the accelerate config's mixed_precision {precision} is not supported: use no, bf16 or fp16")
     template = cfg.ds_config or os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_configs",
                                              f"zero{cfg.zero_stage}.json")
     for kind in ("optimizer", "param"):
@@ -225,6 +228,25 @@ def _accelerate(cfg: Config, given: dict, env):
             raise ConfigError(f"the accelerate config sets offload_{kind}_device {device} but the DeepSpeed config "
                               f"{template} offloads it to {theirs}: name ds_configs/zero3_offload.json as its "
                               f"deepspeed_config_file instead (accelerate_configs/zero3_offload.yaml does)")
+
+
+def _accelerate_fsdp(env, take):
+    """accelerate's FSDP plugin (accelerate_configs/fsdp2.yaml): FSDP2 only, its resharding as zero_stage; what
+    train.py does itself (wrapping each block, checkpointing with `ac`) or does not do (offloading) is refused
+    rather than ignored."""
+    if env.get("FSDP_VERSION", "1") != "2":
+        raise ConfigError(f"the accelerate config runs FSDP version {env.get('FSDP_VERSION', '1')}: this trainer's "
+                          f"engine is FSDP2; set fsdp_version: 2 (accelerate_configs/fsdp2.yaml)")
+    take("engine", "fsdp2", "distributed_type FSDP")
+    reshard = env.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower()
+    if reshard not in ("true", "false"):
+        raise ConfigError(f"the accelerate config's fsdp_reshard_after_forward is {reshard}: FSDP2 takes true or false")
+    take("zero_stage", 3 if reshard == "true" else 2, f"fsdp_reshard_after_forward {reshard}")
+    for var, key, why in (("FSDP_OFFLOAD_PARAMS", "fsdp_offload_params", "this FSDP2 engine does not offload"),
+                          ("FSDP_ACTIVATION_CHECKPOINTING", "fsdp_activation_checkpointing",
+                           "train.py checkpoints activations by the `ac` key")):
+        if env.get(var, "false").lower() == "true":
+            raise ConfigError(f"the accelerate config sets {key}: true, but {why}; set it false")
 
 
 def _check(cfg: Config):

@@ -1,4 +1,6 @@
 import pytest
+import yaml
+from conftest import REPO
 from config import Config, ConfigError, parse
 
 
@@ -52,3 +54,33 @@ def test_accelerate_offload_must_match_the_deepspeed_config(monkeypatch):
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "ds_configs/zero3_offload.json")
     cfg = parse([])
     assert cfg.zero_stage == 3 and cfg.ds_config == "ds_configs/zero3_offload.json"
+
+
+def test_accelerates_fsdp_plugin_selects_the_fsdp2_engine(monkeypatch):
+    """accelerate_configs/fsdp2.yaml's variables (what `accelerate launch` sets from it): the FSDP2 engine, its
+    resharding as zero_stage; FSDP version 1, offloading, accelerate's own checkpointing and a run config naming
+    the other engine are one error each."""
+    plugin = yaml.safe_load(open(f"{REPO}/accelerate_configs/fsdp2.yaml"))
+    assert plugin["distributed_type"] == "FSDP" and plugin["fsdp_config"]["fsdp_version"] == 2
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    monkeypatch.setenv("FSDP_RESHARD_AFTER_FORWARD", "true")
+    cfg = parse([])
+    assert cfg.engine == "fsdp2" and cfg.zero_stage == 3
+    monkeypatch.setenv("FSDP_RESHARD_AFTER_FORWARD", "false")
+    assert parse([]).zero_stage == 2
+    with pytest.raises(ConfigError, match="sets distributed_type FSDP but the command line says engine deepspeed"):
+        parse(["--engine", "deepspeed"])
+    with pytest.raises(ConfigError, match="fsdp_reshard_after_forward false but the command line says zero_stage 3"):
+        parse(["--zero_stage", "3"])
+    monkeypatch.setenv("FSDP_ACTIVATION_CHECKPOINTING", "true")
+    with pytest.raises(ConfigError, match="fsdp_activation_checkpointing: true, but train.py checkpoints"):
+        parse([])
+    monkeypatch.setenv("FSDP_ACTIVATION_CHECKPOINTING", "false")
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    with pytest.raises(ConfigError, match="runs FSDP version 1: this trainer's engine is FSDP2"):
+        parse([])
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(ConfigError, match="sets distributed_type DEEPSPEED but the command line says engine fsdp2"):
+        parse(["--engine", "fsdp2"])

@@ -45,6 +45,18 @@ def test_accelerate_deepspeed_plugin_sets_the_stage(stage_runs, debug_args, tmp_
     assert [r["loss"] for r in read_metrics(run)] == [r["loss"] for r in read_metrics(stage_runs["vit-debug", stage])]
 
 
+@pytest.mark.slow  # its variables are read in tests/test_config.py; the engine's steps in tests/test_fsdp2.py
+def test_accelerate_fsdp_plugin_runs_the_fsdp2_engine(debug_args, tmp_path):
+    """`accelerate launch --config_file accelerate_configs/fsdp2.yaml`, as accelerate users run FSDP2: the run takes
+    the FSDP2 engine with resharding (zero_stage 3) and gives the losses a forked `--engine fsdp2` run gives."""
+    args = debug_args + ["--model", "vit-debug", "--max_steps", 6, "--eval_every", 0, "--save_every", 0]
+    run = tmp_path / "run"
+    proc = launch(args + ["--output_dir", run], accelerate_config="accelerate_configs/fsdp2.yaml")
+    assert "FSDP2 (resharded after forward)" in proc.stdout
+    launch(args + ["--output_dir", tmp_path / "fork", "--engine", "fsdp2", "--zero_stage", 3])
+    assert [r["loss"] for r in read_metrics(run)] == [r["loss"] for r in read_metrics(tmp_path / "fork")]
+
+
 def test_accelerate_zero3_offload_steps_with_cpu_adam(stage_runs, debug_args, tmp_path, cpu_adam):
     """accelerate_configs/zero3_offload.yaml: ZeRO-3 with the optimizer states and parameter partitions in CPU
     memory, stepped by DeepSpeed's CPU Adam (built at the session's start: conftest.deepspeed_ops), giving the losses torch's AdamW gives under
