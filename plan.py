@@ -88,11 +88,19 @@ def gib(n: float) -> str:
     return f"{n / 2**30:.2f}"
 
 
+def sharding(e: dict) -> str:
+    """A configuration's engine and sharding in words: ZeRO-3, ZeRO-3++ (ZeRO++), ZeRO-3 off (offload), FSDP2 with or
+    without resharding after the forward."""
+    if e.get("engine") == "fsdp2":
+        return f"FSDP2 {'reshard' if e['zero_stage'] == 3 else 'keep'}"
+    return f"ZeRO-{e['zero_stage']}{variant(e)}"
+
+
 def describe(e: dict) -> str:
     m, cal = e["memory"], e["calibrated"]
     tp = e["tp_size"]
     lines = [f"{e['model']} ({e['params'] / 1e9:.3f}B params" + (" per rank of a tensor group" if tp > 1 else "")
-             + f"), {e['image_size']}px, {e['precision']} | ZeRO-{e['zero_stage']}"
+             + f"), {e['image_size']}px, {e['precision']} | {sharding(e)}"
              + (f" x tensor parallel {tp}" if tp > 1 else "")
              + f" | micro-batch {e['micro_batch_size']} x {e['grad_accum_steps']} accumulation x "
              f"{e['world_size'] // tp} {'data-parallel ' if tp > 1 else ''}ranks "
@@ -169,11 +177,38 @@ def by_tp_size(found: list) -> str:
     return "\n".join(lines)
 
 
+def by_engine(found: list) -> str:
+    """The fastest configuration of each engine searched, and where their step times differ most."""
+    best = {}
+    for e in found:  # fastest first
+        best.setdefault(e.get("engine", "deepspeed"), e)
+    if len(best) < 2:
+        return ""
+    lines = ["", "", "the fastest of each engine:"]
+    for name, e in best.items():
+        lines.append(f"  {name}: {sharding(e)}, micro-batch {e['micro_batch_size']} x {e['grad_accum_steps']}, ac "
+                     f"{e['ac']}: {e['step_s']:.3f} s a step ({e['compute_s']:.3f} compute, {e['comm_s']:.3f} "
+                     f"communication of {e['comm_bytes_per_step_per_rank'] / 1e9:.2f} GB per rank), peak "
+                     f"{gib(e['peak_bytes'])} GiB, {e['images_per_s']:.0f} images/s")
+    (fast_name, fast), (slow_name, slow) = sorted(best.items(), key=lambda kv: kv[1]["step_s"])
+    terms = {"compute": slow["compute_s"] - fast["compute_s"], "communication": slow["comm_s"] - fast["comm_s"],
+             "offload": slow["offload"]["offload_s"] - fast["offload"]["offload_s"]}
+    why, gap = max(terms.items(), key=lambda kv: kv[1])
+    if slow["step_s"] - fast["step_s"] < 1e-6:
+        lines.append("  the two are level: neither engine's step is shorter here")
+    else:
+        lines.append(f"  {fast_name} is {slow['step_s'] / fast['step_s']:.2f}x faster, mostly by {why} "
+                     f"({gap * 1e3:.1f} ms of the {(slow['step_s'] - fast['step_s']) * 1e3:.1f} ms"
+                     + (f"; its micro-batch {fast['micro_batch_size']} against {slow['micro_batch_size']}"
+                        if fast["micro_batch_size"] != slow["micro_batch_size"] else "") + ")")
+    return "\n".join(lines)
+
+
 def table(found: list, top: int) -> str:
-    rows = ["| # | ZeRO (++: ZeRO++, off: offload) | TP | micro | accum | ac | peak GiB | step s | images/s | "
+    rows = ["| # | engine (++: ZeRO++, off: offload) | TP | micro | accum | ac | peak GiB | step s | images/s | "
             "compute s | comm s | TP comm s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, e in enumerate(found[:top]):
-        rows.append(f"| {i + 1} | {e['zero_stage']}{variant(e)} | {e['tp_size']} | {e['micro_batch_size']} | "
+        rows.append(f"| {i + 1} | {sharding(e)} | {e['tp_size']} | {e['micro_batch_size']} | "
                     f"{e['grad_accum_steps']} | {e['ac']} | {gib(e['peak_bytes'])} | {e['step_s']:.3f} | "
                     f"{e['images_per_s']:.0f} | {e['compute_s']:.3f} | {e['comm_s']:.3f} | {e['tp_comm_s']:.3f} |")
     return "\n".join(rows)
@@ -219,10 +254,11 @@ def write_plan(best: dict, cfg, ds_config: dict, out: str, a):
     with open(os.path.join(out, "config.yaml"), "w") as f:
         f.write(f"# plan.py's best configuration for {a.world_size} x {best['device']} (plan.json: the estimate).\n"
                 f"# Add train_shards, val_shards, output_dir and the schedule (lr, max_steps, ...) of your run.\n")
-        planned = {"model", "num_labels", "image_size", "precision", "zero_stage", "tp_size", "micro_batch_size",
-                   "grad_accum_steps", "ac"}  # written even where they equal today's defaults
+        planned = {"model", "num_labels", "image_size", "precision", "engine", "zero_stage", "tp_size",
+                   "micro_batch_size", "grad_accum_steps", "ac"}  # written even where they equal today's defaults
         yaml.safe_dump({k: v for k, v in to_dict(cfg).items() if v != defaults[k] or k in planned}, f, sort_keys=False)
-    with open(os.path.join(out, "ds_config.json"), "w") as f:
+    fsdp2 = cfg.engine == "fsdp2"
+    with open(os.path.join(out, "fsdp2_config.json" if fsdp2 else "ds_config.json"), "w") as f:
         json.dump(ds_config, f, indent=2)
     with open(os.path.join(out, "plan.json"), "w") as f:
         json.dump(best, f, indent=1)
@@ -230,8 +266,8 @@ def write_plan(best: dict, cfg, ds_config: dict, out: str, a):
     with open(os.path.join(out, "launch.sh"), "w") as f:
         f.write("#!/bin/bash\n# one line per node (NODE_RANK 0..{n}); MASTER_ADDR: node 0's address\n".format(n=nodes - 1)
                 + f"torchrun --nnodes {nodes} --nproc_per_node {a.ranks_per_node} --node_rank $NODE_RANK "
-                  f"--master_addr $MASTER_ADDR --master_port 29500 train.py --config {out}/config.yaml "
-                  f"--ds_config {out}/ds_config.json\n")
+                  f"--master_addr $MASTER_ADDR --master_port 29500 train.py --config {out}/config.yaml"
+                  + ("\n" if fsdp2 else f" --ds_config {out}/ds_config.json\n"))
 
 
 def run_calibration(cfg, precision: str, out: str, host: bool = True, host_stages=(1, 2, 3),
@@ -314,6 +350,7 @@ def main(argv=None):
     a, rest = cluster_args(argv)
     try:
         from engine.ds_config import build_ds_config
+        from engine.fsdp2 import fsdp2_config
         from planner.calibration import calibrated
         from planner.devices import DEFAULT_MBU, DEFAULT_MFU, DEVICES
         from planner.estimate import estimate
@@ -343,15 +380,19 @@ def main(argv=None):
         if a.world_size < 1 or a.ranks_per_node < 1:
             raise ConfigError("world_size and ranks_per_node must be at least 1")
         hidden = width(model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size))
-        ds_for = lambda c: build_ds_config(c, hidden, a.world_size, precision, a.ranks_per_node,  # noqa: E731
-                                           gpu=a.device != "cpu")
+        def ds_for(c):  # the engine config of a candidate
+            if c.engine == "fsdp2":
+                return fsdp2_config(c, precision, a.device != "cpu")
+            return build_ds_config(c, hidden, a.world_size, precision, a.ranks_per_node, gpu=a.device != "cpu")
         mfu, mbu, rates = a.mfu or DEFAULT_MFU, a.mbu or DEFAULT_MBU, None
         if a.calibration:  # one micro-batch's rates: a search with them tries only that micro-batch
             device, rates = calibrated(device, load_calibration(a.calibration, cfg, precision))
             mbu = 1.0  # measured
         if a.global_batch:
+            # both engines, unless --engine names one
+            engines = [cfg.engine] if any(x == "--engine" or x.startswith("--engine=") for x in rest) else None
             found = search(cfg, ds_for, precision, a.world_size, a.ranks_per_node, device, a.global_batch, mfu,
-                           a.overlap, mbu=mbu, rates=rates, tp=tp_candidates(a.tp_sizes))
+                           a.overlap, mbu=mbu, rates=rates, tp=tp_candidates(a.tp_sizes), engines=engines)
             if not found:
                 smallest, with_offload = smallest_cluster(cfg, ds_for, precision, a.ranks_per_node, device)
                 raise ConfigError(
@@ -365,18 +406,19 @@ def main(argv=None):
                 print(json.dumps({"best": best, "feasible": found[:a.top], "count": len(found)}, indent=1))
             else:
                 print(f"{len(found)} configurations fit; the fastest {min(a.top, len(found))}:\n{table(found, a.top)}"
-                      f"{by_tp_size(found)}\n\nbest:\n{describe(best)}")
+                      f"{by_tp_size(found)}{by_engine(found)}\n\nbest:\n{describe(best)}")
             if a.picture:
                 draw(found[:a.top], a.picture, f"{cfg.model}, {a.world_size} x {device.name}, global batch "
                                                f"{a.global_batch}: the {min(a.top, len(found))} fastest that fit")
             if a.out:
-                chosen = replace(cfg, zero_stage=best["zero_stage"], tp_size=best["tp_size"],
+                chosen = replace(cfg, engine=best["engine"], zero_stage=best["zero_stage"], tp_size=best["tp_size"],
                                  micro_batch_size=best["micro_batch_size"],
                                  grad_accum_steps=best["grad_accum_steps"], ac=best["ac"], precision=precision,
                                  ds_config=best["ds_config_template"])
                 write_plan(best, chosen, ds_for(chosen), a.out, a)
                 if not a.json:
-                    print(f"written: {a.out}/config.yaml, ds_config.json, plan.json, launch.sh")
+                    engine_file = "fsdp2_config.json" if chosen.engine == "fsdp2" else "ds_config.json"
+                    print(f"written: {a.out}/config.yaml, {engine_file}, plan.json, launch.sh")
             return 0
         check_tp(model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size), cfg.tp_size, a.world_size,
                  a.ranks_per_node)

@@ -40,8 +40,23 @@ def zero_memory_bytes(n_params: int, zero_stage: int, world_size: int, precision
             "zero3_gathered": parts["zero3_gathered"]}
 
 
+def fsdp2_memory_parts(n_params: int, outside_params: int, block_params: int, world_size: int, precision: str,
+                       reshard: bool, fused_adamw: bool, grad_accum_steps: int = 1) -> dict:
+    """fsdp2_memory_bytes's terms, per rank, under zero_memory_parts's names: weights (the fp32 shard, FSDP2's master
+    copy), gradients (the fp32 gradient shard; with accumulation also the whole unsharded gradients it keeps
+    between micro-batches without reducing them: engine/fsdp2.py), optimizer_states (AdamW's two moments),
+    zero3_gathered (the unsharded weights in the compute dtype) and optimizer_step_temporaries (unfused AdamW's)."""
+    compute = 2 if precision in ("bf16", "fp16") else 4
+    shard = n_params / world_size
+    unsharded = n_params if not reshard else min(n_params, outside_params + 2 * block_params)
+    return {k: int(v) for k, v in {
+        "weights": 4 * shard, "gradients": 4 * shard + (4 * n_params if grad_accum_steps > 1 else 0),
+        "optimizer_states": 8 * shard, "zero3_gathered": compute * unsharded, "zero3_secondary": 0,
+        "optimizer_step_temporaries": 0 if fused_adamw else 4 * shard}.items()}
+
+
 def fsdp2_memory_bytes(n_params: int, outside_params: int, block_params: int, world_size: int, precision: str,
-                       reshard: bool, fused_adamw: bool) -> dict:
+                       reshard: bool, fused_adamw: bool, grad_accum_steps: int = 1) -> dict:
     """zero_memory_bytes's figures for plain FSDP2 (`fully_shard` per block and on the root, torch AdamW), so
     that `auto` budgets FSDP2's activations as it does ZeRO's.
 
@@ -52,13 +67,12 @@ def fsdp2_memory_bytes(n_params: int, outside_params: int, block_params: int, wo
     - `optimizer_step`: besides them, the fp32 gradient shard and, for torch's unfused (foreach) update, one
       shard-sized temporary; the fused update has none.
     """
-    compute = 2 if precision in ("bf16", "fp16") else 4
-    shard = n_params / world_size
-    unsharded = n_params if not reshard else min(n_params, outside_params + 2 * block_params)
-    backward = 12 * shard + compute * unsharded
-    step = 12 * shard + 4 * shard + (0 if fused_adamw else 4 * shard)
-    return {"backward": int(backward), "optimizer_step": int(max(step, backward)),
-            "zero3_gathered": int(compute * unsharded)}
+    p = fsdp2_memory_parts(n_params, outside_params, block_params, world_size, precision, reshard, fused_adamw,
+                           grad_accum_steps)
+    accumulated = p["gradients"] - 4 * n_params / world_size  # the unsharded gradients kept between micro-batches
+    backward = p["weights"] + p["optimizer_states"] + p["zero3_gathered"] + accumulated
+    step = p["weights"] + p["optimizer_states"] + p["gradients"] - accumulated + p["optimizer_step_temporaries"]
+    return {"backward": int(backward), "optimizer_step": int(max(step, backward)), "zero3_gathered": p["zero3_gathered"]}
 
 
 def zero_memory_parts(n_params: int, zero_stage: int, world_size: int, precision: str, ds_config: dict) -> dict:

@@ -6,7 +6,8 @@ from ac.policies import choose_plan
 from ac.profile import profile_model
 from config import Config
 from engine.ds_config import DTYPES
-from engine.memory import offloaded, offloaded_bytes, zero_memory_bytes, zero_memory_parts
+from engine.memory import (fsdp2_memory_bytes, fsdp2_memory_parts, offloaded, offloaded_bytes, zero_memory_bytes,
+                           zero_memory_parts)
 from models.blocks import Block
 from planner.devices import ALLOCATOR_MARGIN, DEFAULT_MBU, DEFAULT_MFU, RESERVED_GIB, Device, target
 from planner.host import host_seconds
@@ -56,6 +57,17 @@ def comm_bytes(n_params: int, zero_stage: int, grad_accum: int, world_size: int,
     return intra, inter
 
 
+def fsdp2_comm_bytes(n_params: int, reshard: bool, grad_accum: int, world_size: int, ranks_per_node: int,
+                     weight_bytes: int) -> tuple[float, float]:
+    """comm_bytes for the FSDP2 engine (engine/fsdp2.py): each micro-batch all-gathers every weight in the compute
+    dtype for its forward and, resharding, again for its backward; the gradients are reduce-scattered once a step
+    in fp32 (micro-batches before the last accumulate without a reduction); ring collectives, (N-1)/N of each
+    tensor. One mesh over every rank: across nodes every collective crosses them."""
+    share = (world_size - 1) / world_size if world_size > 1 else 0.0
+    total = ((2 if reshard else 1) * grad_accum * weight_bytes + 4) * n_params * share
+    return (0.0, total) if world_size > ranks_per_node else (total, 0.0)
+
+
 def tp_allreduce_bytes(prof, plan, tp_size: int) -> float:
     """Bytes a rank sends per micro-batch in its tensor group's all-reduces (Megatron's count, Shoeybi et al.
     2019): each block's output, the size of its input, is all-reduced twice in the forward (after the attention
@@ -95,8 +107,14 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
     fwd_flops, n_ops = prof.forward_flops / cfg.micro_batch_size, prof.ops
     tp = cfg.tp_size
     data_ranks = world_size // tp  # ZeRO's partitions and the data-parallel collectives: over these
-    parts = zero_memory_parts(n_params, cfg.zero_stage, data_ranks, precision, ds_config)
-    fixed = zero_memory_bytes(n_params, cfg.zero_stage, data_ranks, precision, ds_config)
+    if cfg.engine == "fsdp2":  # its shards, unsharded weights and AdamW (engine/memory.py)
+        outside = n_params - sum(p.params for p in prof)  # the root's parameters: the stem, the final norm, the head
+        memory_args = (n_params, outside, largest, data_ranks, precision, cfg.zero_stage == 3, target(device) != "cpu",
+                       cfg.grad_accum_steps)
+        parts, fixed = fsdp2_memory_parts(*memory_args), fsdp2_memory_bytes(*memory_args)
+    else:
+        parts = zero_memory_parts(n_params, cfg.zero_stage, data_ranks, precision, ds_config)
+        fixed = zero_memory_bytes(n_params, cfg.zero_stage, data_ranks, precision, ds_config)
     plan = choose_plan(cfg.ac, _blocks_of(prof), prof, fixed)
     figures = plan_figures(prof, plan, fixed)
     activations = figures["activation_peak_planned"]
@@ -118,8 +136,8 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
     device_micro_s = flops / cfg.grad_accum_steps / flop_rate + moved / model_bandwidth
     optimizer_s = optimizer_moved / bandwidth
     probed = (rates or {}).get("host")
-    if probed and str(cfg.zero_stage) not in probed["stages"]:  # probed under other ZeRO stages only
-        probed = None
+    if probed and (str(cfg.zero_stage) not in probed["stages"] or cfg.engine != "deepspeed"):
+        probed = None  # probed under other ZeRO stages only, or DeepSpeed's host time and not FSDP2's
     if probed:  # the engine's host seconds, measured (planner/host.py)
         serial = target(device) == "cpu"
         host = host_seconds(probed, cfg.zero_stage, plan, serial)
@@ -138,8 +156,12 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
     saturating = math.ceil(host_micro_s / per_image_s) if per_image_s > 0 and host_micro_s > 0 else 1
     compute_s = micro_s * cfg.grad_accum_steps + optimizer_s
     zero = ds_config.get("zero_optimization", {})
-    intra, inter = comm_bytes(n_params, cfg.zero_stage, cfg.grad_accum_steps, data_ranks, max(1, ranks_per_node // tp),
-                              weight_bytes, zero)
+    if cfg.engine == "fsdp2":
+        intra, inter = fsdp2_comm_bytes(n_params, cfg.zero_stage == 3, cfg.grad_accum_steps, data_ranks,
+                                        ranks_per_node, weight_bytes)
+    else:
+        intra, inter = comm_bytes(n_params, cfg.zero_stage, cfg.grad_accum_steps, data_ranks,
+                                  max(1, ranks_per_node // tp), weight_bytes, zero)
     sent = intra + inter
     comm_s = intra / (device.intra_gbs * 1e9) + inter / (device.inter_gbs * 1e9)
     tp_bytes = tp_allreduce_bytes(prof, plan, tp) * cfg.grad_accum_steps
@@ -162,7 +184,8 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
     host_fits = host * node_ranks <= device.host_memory_gib * GiB * (1 - ALLOCATOR_MARGIN)
     return {
         "model": cfg.model, "params": n_params, "largest_block_params": largest, "image_size": cfg.image_size,
-        "precision": precision, "zero_stage": cfg.zero_stage, "micro_batch_size": cfg.micro_batch_size,
+        "engine": cfg.engine, "precision": precision, "zero_stage": cfg.zero_stage,
+        "micro_batch_size": cfg.micro_batch_size,
         "grad_accum_steps": cfg.grad_accum_steps, "ac": cfg.ac, "plan": {h: plan.count(h) for h in set(plan)},
         "world_size": world_size, "ranks_per_node": ranks_per_node, "device": device.name, "tp_size": tp,
         "global_batch": images * data_ranks,

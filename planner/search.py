@@ -31,10 +31,10 @@ def tp_sizes(cfg: Config, world_size: int, ranks_per_node: int) -> list:
 
 def search(cfg: Config, ds_config_for, precision: str, world_size: int, ranks_per_node: int, device: Device,
            global_batch: int, mfu: float = DEFAULT_MFU, overlap: float = 0.0, policies=None,
-           mbu: float = DEFAULT_MBU, rates=None, tp=None) -> list:
-    """Every (tensor-parallel size, ZeRO stage, micro-batch, accumulation, ac policy) whose global batch is
-    `global_batch` and whose peak fits, fastest first. `ds_config_for(cfg)`: the DeepSpeed config of a
-    candidate. `tp`: the tensor-parallel sizes to try (default tp_sizes()), each checked against the model and
+           mbu: float = DEFAULT_MBU, rates=None, tp=None, engines=None) -> list:
+    """Every (engine, tensor-parallel size, ZeRO stage, micro-batch, accumulation, ac policy) whose global batch is
+    `global_batch` and whose peak fits, fastest first. `ds_config_for(cfg)`: the engine config of a candidate
+    (DeepSpeed's, or FSDP2's). `engines`: the engines to try (default both). `tp`: the tensor-parallel sizes to try (default tp_sizes()), each checked against the model and
     cluster. `rates`: a calibration of cfg's micro-batch (estimate()), which then is the only micro-batch and the
     only tensor-parallel size (cfg's) searched."""
     if global_batch % world_size:
@@ -59,13 +59,19 @@ def search(cfg: Config, ds_config_for, precision: str, world_size: int, ranks_pe
         # when the job spans nodes: within one node hpZ's secondary partition would be the primary one; and
         # ZeRO-3 with the optimizer and the weights offloaded to host memory (ds_configs/zero3_offload.json).
         # Under tensor parallelism ZeRO 1 to 3 only, as tested
-        variants = [(1, ""), (2, ""), (3, "")] + ([(3, OFFLOAD_TEMPLATE)] + (
-            [(3, ZEROPP_TEMPLATE)] if world_size > ranks_per_node else []) if size == 1 else [])
-        for stage, template in variants:
+        # and FSDP2, resharding after the forward (ZeRO-3's trade) or not, where it runs: without tensor
+        # parallelism and without a DeepSpeed template
+        variants = [("deepspeed", 1, ""), ("deepspeed", 2, ""), ("deepspeed", 3, "")] + (
+            [("deepspeed", 3, OFFLOAD_TEMPLATE)] + (
+                [("deepspeed", 3, ZEROPP_TEMPLATE)] if world_size > ranks_per_node else []) +
+            [("fsdp2", 3, ""), ("fsdp2", 2, "")] if size == 1 else [])
+        if engines:
+            variants = [v for v in variants if v[0] in engines]
+        for engine, stage, template in variants:
             for micro in micro_batches:
                 scaled = (base[0].scaled(micro / PROFILE_BATCH), *base[1:])
                 for ac in policies:
-                    candidate = replace(cfg, zero_stage=stage, micro_batch_size=micro, tp_size=size,
+                    candidate = replace(cfg, engine=engine, zero_stage=stage, micro_batch_size=micro, tp_size=size,
                                         grad_accum_steps=per_rank // micro, ac=ac, ds_config=template)
                     est = estimate(candidate, ds_config_for(candidate), precision, world_size, ranks_per_node,
                                    device, mfu, overlap, scaled, mbu, rates)
