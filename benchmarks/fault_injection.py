@@ -4,6 +4,7 @@
     python -m benchmarks.fault_injection --faults 48 --seed 0      # report in benchmarks/results/faults/
     python -m benchmarks.fault_injection --kinds kill-save,stall --faults 4 --out /tmp/faults
     python -m benchmarks.fault_injection --task segmentation --kinds sigterm,kill-eval --faults 4 --out /tmp/seg
+    python -m benchmarks.fault_injection --engine fsdp2 --faults 16 --out /tmp/fsdp2   # FSDP2 jobs (docs/engines.md)
 
 The faults (`--kinds`, default all), each at a random step, save, evaluation or launcher as the seed draws:
   kill-rank      kill -9 of one rank mid-step
@@ -539,6 +540,8 @@ def main():
     parser.add_argument("--keep", action="store_true", help="keep the runs' directories")
     parser.add_argument("--task", default="classification", choices=sorted(TASK_ARGS),
                         help="the job's task (train.py's `task`), on the digits or, for segmentation, digits-seg")
+    parser.add_argument("--engine", default="deepspeed", choices=("deepspeed", "fsdp2"),
+                        help="train.py's engine; under fsdp2 the drawn ZeRO stage sets its resharding")
     a = parser.parse_args()
     kinds = a.kinds.split(",")
     if unknown := [k for k in kinds if k not in KINDS]:
@@ -550,7 +553,7 @@ def main():
     episodes = draw(a.faults, kinds, a.seed)
     work = os.path.join("/tmp", f"fault-injection-{os.getpid()}")
     os.makedirs(work)
-    args = job_args(a.task)
+    args = job_args(a.task) + ["--engine", a.engine]
     try:
         shards = {"dir": os.path.join(work, "digits")}
         subprocess.run([sys.executable, "data/make_shards.py", "digits-seg" if a.task == "segmentation" else "digits",
@@ -585,7 +588,8 @@ def write_report(episodes: list, a, start_time: float):
                             text=True).stdout.strip()
     lines = [f"# Fault injection, {datetime.date.today().isoformat()}", "",
              f"`python -m benchmarks.fault_injection --faults {a.faults} --seed {a.seed}"
-             f"{f' --task {a.task}' if a.task != 'classification' else ''}` at commit {commit}, "
+             f"{f' --task {a.task}' if a.task != 'classification' else ''}"
+             f"{f' --engine {a.engine}' if a.engine != 'deepspeed' else ''}` at commit {commit}, "
              f"{platform.processor() or platform.machine()} with {os.cpu_count()} cores, torch {torch.__version__}; "
              f"{(time.time() - start_time) / 60:.0f} min.", "",
              f"Each fault hits its own 2-rank job: {JOB_DESCRIPTION[a.task]}, {MAX_STEPS} steps, a checkpoint every "

@@ -172,10 +172,18 @@ class FSDP2Engine:
         act is a barrier, as DeepSpeed's: when it returns, every rank's files are complete."""
         import torch.distributed.checkpoint as dcp
 
+        from torch.distributed.checkpoint.api import CheckpointException
+
         path = os.path.join(save_dir, tag)
         # a tensor every rank holds (a batch norm's running statistics, each rank's own) is written from rank 0, as
         # DeepSpeed writes the module's buffers, and as the export takes them
-        dcp.save(self._state(), checkpoint_id=path, planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+        try:
+            dcp.save(self._state(), checkpoint_id=path, planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+        except CheckpointException as e:  # a rank's write failed: DCP raises it on every rank, as an OSError here
+            first = next(iter(e.failures.values()), (e,))  # rank -> (exception, its traceback)
+            first = first[0] if isinstance(first, tuple) else first
+            raise OSError(getattr(first, "errno", None), getattr(first, "strerror", None) or str(first),
+                          getattr(first, "filename", path)) from e
         if dist.get_rank() == 0:
             # optimizer steps, not micro-batches: a resume may accumulate another number of micro-batches per step
             torch.save({"client_state": client_state, "lr_scheduler": self.lr_scheduler.state_dict(),

@@ -87,6 +87,8 @@ def full_disk(checkpoint):
     def faulty_save(engine, ckpt_dir, step, *args, **kwargs):
         if (step, rank()) not in ENOSPC_AT:
             return save(engine, ckpt_dir, step, *args, **kwargs)
+        if not hasattr(engine, "checkpoint_engine"):  # the FSDP2 engine: DCP's writer of this rank's shard file
+            return dcp_full_disk(save, engine, ckpt_dir, step, *args, **kwargs)
         original = engine.checkpoint_engine.save
 
         def half_written(state_dict, path):
@@ -102,6 +104,27 @@ def full_disk(checkpoint):
         finally:
             engine.checkpoint_engine.save = original
     checkpoint.save = faulty_save
+
+
+def dcp_full_disk(save, engine, ckpt_dir, step, *args, **kwargs):
+    """This rank's DCP file cut short by ENOSPC (torch.distributed.checkpoint's FileSystemWriter)."""
+    import errno
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    original = FileSystemWriter.write_data
+
+    def half_written(self, plan, planner):
+        path = os.path.join(str(self.path), f"__{rank()}_0.distcp")
+        with open(path, "wb") as f:
+            f.write(b"\0" * 4096)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+    FileSystemWriter.write_data = half_written
+    try:
+        return save(engine, ckpt_dir, step, *args, **kwargs)
+    finally:
+        FileSystemWriter.write_data = original
 
 
 if NAN_AT:
