@@ -116,7 +116,8 @@ def check_run(cfg: Config, world_size: int, rank: int) -> Checked:
                           "and NVMe-offloaded partitions are not there; offload to cpu or set ema_decay 0")
     check_policy(cfg.ac, "cuda" if torch.cuda.is_available() else "cpu")
     data_ranks = world_size // cfg.tp_size  # the ranks of a tensor group read the same micro-batches
-    if cfg.data_streams and not synthetic and (why := check_streams(cfg.data_streams, data_ranks, cfg.grad_accum_steps, cfg.num_workers)):
+    streams = cfg.data_streams and not synthetic
+    if streams and (why := check_streams(cfg.data_streams, data_ranks, cfg.grad_accum_steps, cfg.num_workers)):
         raise ConfigError(f"data_streams: {why}")
     if cfg.warmup_steps >= cfg.max_steps and rank == 0:  # a short debug run may mean it; say what it does
         print(f"warning: warmup_steps {cfg.warmup_steps} >= max_steps {cfg.max_steps}: the learning rate rises "

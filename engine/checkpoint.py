@@ -58,21 +58,26 @@ def find_resume(cfg: Config, world_size: int) -> Resume | None:
     ckpt_dir = os.path.join(cfg.output_dir, "checkpoints")
     if not cfg.resume:
         return None
+    skipped = []  # newer checkpoints whose files are not what was written
     if cfg.resume == "latest":
-        tag = newest_checkpoint(ckpt_dir)
+        tag, skipped = newest_verified(ckpt_dir)
         if tag is None:
             return None
         load_dir = ckpt_dir
     elif os.path.isfile(os.path.join(cfg.resume, "latest")):  # a checkpoints directory
         load_dir = cfg.resume.rstrip("/")
-        tag = newest_checkpoint(load_dir)
+        tag, skipped = newest_verified(load_dir)
     else:  # one checkpoint
         load_dir, tag = os.path.split(cfg.resume.rstrip("/"))
-    note = ""
+    note = "".join(f"warning: checkpoint {os.path.join(load_dir, t)} is damaged ({why}): not resumed from\n"
+                   for t, why in skipped)
+    if skipped and tag is None:
+        raise ConfigError(f"resume: every complete checkpoint in {load_dir} is damaged; the newest: "
+                          f"{skipped[0][0]} ({skipped[0][1]})")
     if cfg.resume == "latest" or load_dir == cfg.resume.rstrip("/"):
         named = latest_tag(load_dir)
         if named and named != tag and not os.path.isfile(os.path.join(load_dir, named, STATE_FILE)):
-            note = (f"warning: {os.path.join(load_dir, 'latest')} names {named}, which is " +
+            note += (f"warning: {os.path.join(load_dir, 'latest')} names {named}, which is " +
                     ("incomplete" if os.path.isdir(os.path.join(load_dir, named)) else "not there") +
                     f": resuming from {tag}, the newest complete checkpoint")
     path = os.path.join(load_dir, tag)
@@ -84,7 +89,11 @@ def find_resume(cfg: Config, world_size: int) -> Resume | None:
     except json.JSONDecodeError as e:
         raise ConfigError(f"resume: {state_file} is not valid JSON ({e})") from None
     if state is None:  # written elsewhere: DeepSpeed checks its own files when it loads them
-        return Resume(load_dir, tag, None, False, note)
+        return Resume(load_dir, tag, None, False, note.rstrip("\n"))
+    if why := damaged(path, state):
+        raise ConfigError(f"resume: checkpoint {path} is damaged ({why}); resume another one, or --resume latest "
+                          f"to take the newest whose files are whole")
+    note = note.rstrip("\n")
     written_by = state.get("engine", "deepspeed")
     if written_by != cfg.engine:
         raise ConfigError(f"resume: checkpoint {path} was written by engine {written_by} and this run uses "
@@ -159,6 +168,36 @@ def check_same_model(state: dict | None, path: str, shapes: dict):
                       f"{first}): resume a checkpoint of this model, or start this one in another output_dir")
 
 
+def damaged(path: str, state: dict) -> str | None:
+    """Why the files of checkpoint `path` are not those written (a file missing, or of another size than
+    train_state.json recorded at the save: a truncated copy, a failed transfer), or None. Checkpoints written
+    before the sizes were recorded are not checked."""
+    for name, size in (state.get("files") or {}).items():
+        found = os.path.join(path, name)
+        if not os.path.isfile(found):
+            return f"{name} is missing"
+        if os.path.getsize(found) != size:
+            return f"{name} is {os.path.getsize(found):,} bytes, {size:,} when written"
+    return None
+
+
+def newest_verified(ckpt_dir: str) -> tuple[str | None, list]:
+    """(the newest complete checkpoint whose files are those written, [(newer damaged tag, why)]); DeepSpeed's
+    `latest` for a directory this trainer did not write."""
+    skipped = []
+    for _, tag in reversed(complete_checkpoints(ckpt_dir)):
+        try:
+            state = json.load(open(os.path.join(ckpt_dir, tag, STATE_FILE)))
+        except (OSError, json.JSONDecodeError) as e:
+            skipped.append((tag, f"{STATE_FILE}: {e}"))
+            continue
+        if why := damaged(os.path.join(ckpt_dir, tag), state):
+            skipped.append((tag, why))
+            continue
+        return tag, skipped
+    return (None if skipped else latest_tag(ckpt_dir)), skipped
+
+
 def complete_checkpoints(ckpt_dir: str) -> list[tuple[int, str]]:
     """(step, tag) of every complete checkpoint in `ckpt_dir`, oldest first."""
     if not os.path.isdir(ckpt_dir):
@@ -166,14 +205,6 @@ def complete_checkpoints(ckpt_dir: str) -> list[tuple[int, str]]:
     found = ((STEP_TAG.match(name), name) for name in os.listdir(ckpt_dir))
     return sorted((int(m.group(1)), name) for m, name in found
                   if m and os.path.isfile(os.path.join(ckpt_dir, name, STATE_FILE)))
-
-
-def newest_checkpoint(ckpt_dir: str) -> str | None:
-    """The newest complete checkpoint's tag; DeepSpeed's `latest` for a directory this trainer did not write."""
-    complete = complete_checkpoints(ckpt_dir)
-    if complete:
-        return complete[-1][1]
-    return latest_tag(ckpt_dir)
 
 
 def latest_tag(ckpt_dir: str) -> str | None:
@@ -277,8 +308,11 @@ def finish(ckpt_dir: str, tag: str, state: dict):
     """Rank 0, once every rank's files are complete: train_state.json, the rename that makes the checkpoint
     visible, and `latest`."""
     partial = os.path.join(ckpt_dir, tag + PARTIAL_SUFFIX)
+    # every file's size, checked before a resume loads them (damaged)
+    files = {os.path.relpath(os.path.join(d, f), partial): os.path.getsize(os.path.join(d, f))
+             for d, _, names in os.walk(partial) for f in names}
     with open(os.path.join(partial, STATE_FILE), "w") as f:
-        json.dump(state, f)
+        json.dump({**state, "files": files}, f)
     final = os.path.join(ckpt_dir, tag)
     if os.path.isdir(final):  # written before by a run that was resumed from an earlier checkpoint
         shutil.rmtree(final)

@@ -44,3 +44,25 @@ def test_changed_data_layout_restarts_the_data_order_and_says_so(debug_args, tmp
                           "--num_workers", "2"], nproc=1)
     assert "data order restarts (the 1 data streams per rank do not split over 2 workers" in proc.stdout
     assert [r["step"] for r in read_metrics(tmp_path / "b")] == [3, 4]
+
+
+@pytest.mark.parametrize("engine", ["deepspeed", "fsdp2"])
+def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(debug_args, tmp_path, engine):
+    """Each checkpoint records its files' sizes at the save: `--resume latest` skips a newest checkpoint whose
+    largest file was cut short (a failed copy), says so, and continues from the one before, bitwise; resuming
+    that damaged checkpoint by name is one line and exit 2."""
+    args = debug_args + ["--model", "vit-debug", "--engine", engine, "--max_steps", "10", "--save_every", "5",
+                         "--eval_every", "0"]
+    run = tmp_path / "run"
+    launch(args + ["--output_dir", run])
+    expected = {r["step"]: r["loss"] for r in read_metrics(run)}
+    newest = run / "checkpoints" / "step0000010"
+    largest = max((p for p in newest.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    with open(largest, "r+b") as f:
+        f.truncate(largest.stat().st_size // 2)
+    proc = launch(args + ["--output_dir", tmp_path / "other", "--resume", newest], check=False)
+    assert proc.returncode == 2 and f"error: resume: checkpoint {newest} is damaged" in proc.stderr
+    proc = launch(args + ["--output_dir", run, "--resume", "latest"])
+    assert f"warning: checkpoint {newest} is damaged ({largest.relative_to(newest)} is " in proc.stderr
+    assert "at step 5" in proc.stdout
+    assert {r["step"]: r["loss"] for r in read_metrics(run)} == expected  # and step 10 saved again, whole
