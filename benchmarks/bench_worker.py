@@ -37,6 +37,7 @@ from engine import compat
 from engine.distributed import exit_distributed, flush_cpu_denormals, init_distributed
 from engine.memory import allocation_curve, trace_events
 from engine.optim import lr_schedule, param_groups
+from engine.fsdp2 import shard
 from engine.memory import fsdp2_memory_bytes
 from engine.parallelize import apply_ac, build_engine, build_training_model, engine_config
 from engine.tensor_parallel import layout
@@ -102,9 +103,6 @@ class FSDP2Step:
     `fully_shard` (torchtitan's order), so FSDP2's hooks stay outside the compiled code."""
 
     def __init__(self, model, cfg: Config, spec: Spec):
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
         cuda = torch.cuda.is_available()
         precision = "bf16" if cuda else "fp32"
         blocks = find_blocks(model)
@@ -120,17 +118,9 @@ class FSDP2Step:
             fixed = fsdp2_memory_bytes(n, n - sum(sizes), max(sizes), dist.get_world_size(), precision, spec.reshard,
                                        fused_adamw=True)
             self.plan = apply_ac(model, cfg, fixed, precision, "cuda" if cuda else "cpu", log=lambda *a: None)
-        mesh = init_device_mesh("cuda" if cuda else "cpu", (dist.get_world_size(),))
         # GPUs: bf16 compute, fp32 gradient reduction and master weights, as DeepSpeed's bf16 mode
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda \
-            else MixedPrecisionPolicy()
-        if cuda:
-            model.to(torch.cuda.current_device())
-        for block in blocks:
-            if spec.compile:  # as torchtitan: each block in place, after checkpointing, before sharding
-                block.module.compile()
-            fully_shard(block.module, mesh=mesh, reshard_after_forward=spec.reshard, mp_policy=mp)
-        fully_shard(model, mesh=mesh, reshard_after_forward=spec.reshard, mp_policy=mp)
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        shard(model, precision, device, reshard=spec.reshard, compile_blocks=spec.compile)
         self.model, self.cfg, self.accum = model, cfg, spec.grad_accum_steps
         self.opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                      eps=1e-8, fused=True)

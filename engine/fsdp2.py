@@ -42,15 +42,15 @@ def fsdp2_config(cfg: Config, precision: str, gpu: bool) -> dict:
             "train_micro_batch_size_per_gpu": cfg.micro_batch_size}
 
 
-def shard(model: torch.nn.Module, cfg: Config, precision: str, device: torch.device, compile_blocks: bool):
-    """`fully_shard` per block, then the root, in place; each block compiled first with `compile_blocks`."""
+def shard(model: torch.nn.Module, precision: str, device: torch.device, reshard: bool, compile_blocks: bool):
+    """`fully_shard` per block, then the root, in place, resharding after the forward or not; each block compiled
+    first with `compile_blocks`. The FSDP2 engine's wrapping, and the benchmark's plain FSDP2's."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" \
         else MixedPrecisionPolicy()
-    reshard = cfg.zero_stage == 3
     if device.type == "cuda":
         model.to(device)
     for block in find_blocks(model):

@@ -109,7 +109,7 @@ def build_fsdp2(model: torch.nn.Module, cfg: Config, world_size: int, device_typ
                                fused_adamw=device_type == "cuda")
     ac_plan = apply_ac(model, cfg, fixed, precision, device_type, log)
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
-    shard(model, cfg, precision, device, compile_blocks=cfg.compile)
+    shard(model, precision, device, reshard=cfg.zero_stage == 3, compile_blocks=cfg.compile)
     if cfg.compile:
         log("compile: each block is compiled in place by torch.compile before fully_shard; the first steps are "
             "slow while it compiles")
