@@ -101,6 +101,28 @@ def test_slurm_node_script_on_two_nodes(launcher, node_args, one_node, tmp_path)
     np.testing.assert_array_equal([r["loss"] for r in read_metrics(out)], one_node[:6])
 
 
+@pytest.mark.slow  # two launches of two loopback nodes and a reference: most of a minute
+def test_fsdp2_on_two_slurm_nodes_trains_and_resumes_as_one_node(node_args, tmp_path):
+    """The FSDP2 engine through launch/node.sh (each sbatch script's node command) on two loopback nodes with
+    Slurm's variables: stopped at the DCP checkpoint of step 6 and relaunched with --resume latest, it gives the
+    12 losses of one forked FSDP2 node of two ranks."""
+    args = node_args + ["--engine", "fsdp2"]
+    launch(args + ["--output_dir", tmp_path / "one"])
+    expected = [r["loss"] for r in read_metrics(tmp_path / "one")]
+    out = tmp_path / "run"
+    for extra in (["--max_steps", 6], ["--resume", "latest"]):
+        port = free_port()
+        while port >= slurm_env.PORT_BASE + slurm_env.PORT_SPAN:
+            port = free_port()
+        slurm = {"SLURM_JOB_NODELIST": "127.0.0.[1-2]", "SLURM_NNODES": "2",
+                 "SLURM_JOB_ID": str(port - slurm_env.PORT_BASE)}
+        outs = run_nodes([["bash", "launch/node.sh", "torchrun", *args, *extra, "--output_dir", out] for _ in (0, 1)],
+                         envs=[dict(slurm, SLURM_NODEID=str(r)) for r in (0, 1)])
+        assert "FSDP2 (resharded after forward)" in outs[0] and "(2 node(s) x 1" in outs[0]
+    assert json.loads((out / "checkpoints" / "step0000006" / "train_state.json").read_text())["engine"] == "fsdp2"
+    np.testing.assert_array_equal([r["loss"] for r in read_metrics(out)], expected)
+
+
 def test_slurm_env_outside_a_job_is_one_error():
     proc = subprocess.run(["bash", "launch/node.sh", "torchrun"], cwd=REPO, capture_output=True, text=True,
                           env={k: v for k, v in os.environ.items() if not k.startswith("SLURM_")})
