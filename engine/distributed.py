@@ -92,6 +92,11 @@ def init_distributed(local_rank: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> t
             dist.barrier()  # every rank has joined
     except (RuntimeError, dist.DistError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "EADDRINUSE" in str(e) or "address already in use" in str(e).lower():  # the store's port is taken
+            raise DistributedError(
+                f"rank {os.environ.get('RANK')} could not serve the process group's store at {where}: the port is in "
+                f"use by another process (another job, or a rank of one not yet exited); launch with another "
+                f"--master_port (MASTER_PORT), or once that process has exited") from None
         raise DistributedError(
             f"rank {os.environ.get('RANK')} could not form the process group through the master at {where} within "
             f"{timeout_s:g} s (dist_timeout): did every node start, with the same MASTER_ADDR, MASTER_PORT and "

@@ -151,6 +151,27 @@ def test_zeropp_hierarchical_partitioning_on_two_nodes_of_two_ranks(debug_args, 
                                [r["loss"] for r in read_metrics(tmp_path / "plain")], rtol=1e-5)
 
 
+def test_a_master_port_in_use_is_one_error_naming_it(debug_args, tmp_path):
+    """Rank 0 of 2 whose MASTER_PORT another process holds: one line naming the address and the port in use, not
+    the dist_timeout it did not wait out, and exit 2 with nothing written."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        env = dict(os.environ, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        proc = fork_launch([*map(str, debug_args), "--max_steps", "2", "--output_dir", str(tmp_path / "run")], 1, env,
+                           timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: rank 0 could not serve the process group's store at 127.0.0.1:{port}: the port is in "
+                      f"use by another process (another job, or a rank of one not yet exited); launch with another "
+                      f"--master_port (MASTER_PORT), or once that process has exited"], proc.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
+
+
 def test_unreachable_master_is_one_error_within_the_timeout(debug_args, tmp_path):
     """Node 1 of 2 started against a master address where nothing listens: one line naming the address and port,
     within dist_timeout (plus the interpreter's start), exit 2. So is node 0 when no other node joins."""
