@@ -9,14 +9,22 @@ from conftest import check_input, launch, read_metrics
 from safetensors.torch import load_file
 
 
-def test_fsdp2_steps_as_deepspeed_does(debug_args, tmp_path):
+FINE_TUNING = ["--layer_decay", "0.75", "--drop_path", "0.1", "--mixup", "0.8", "--cutmix", "1.0", "--ema_decay", "0.9"]
+
+
+@pytest.mark.parametrize("extra", [[], FINE_TUNING, ["--freeze", "backbone"]], ids=["plain", "fine-tuning", "probe"])
+def test_fsdp2_steps_as_deepspeed_does(debug_args, tmp_path, extra):
     """20 steps of the debug ViT from one seed on 2 ranks, ZeRO-2 and FSDP2 (the same AdamW, clipping, schedule and
-    data): the losses and gradient norms agree within fp32 reduction order (1e-5 relative)."""
-    args = debug_args + ["--model", "vit-debug", "--max_steps", "20", "--eval_every", "0", "--save_every", "0"]
+    data): the losses and gradient norms agree within fp32 reduction order (1e-5 relative); with layer-wise lr
+    decay, stochastic depth, mixup and cutmix and an EMA, and with the backbone frozen (a linear probe), too."""
+    args = debug_args + ["--model", "vit-debug", "--max_steps", "20", "--eval_every", "0", "--save_every", "0", *extra]
     launch(args + ["--output_dir", tmp_path / "ds"])
     proc = launch(args + ["--output_dir", tmp_path / "fsdp2", "--engine", "fsdp2"])
     assert "FSDP2 (kept after forward) | AdamW" in proc.stdout
     assert json.load(open(tmp_path / "fsdp2" / "fsdp2_config.json"))["reshard_after_forward"] is False
+    if extra:  # the EMA's (or the probe's) export: the same model within the same tolerance
+        ds_summary, f_summary = (json.load(open(tmp_path / run / "summary.json")) for run in ("ds", "fsdp2"))
+        assert f_summary["val_top1"] == pytest.approx(ds_summary["val_top1"], abs=0.01)
     ds, fsdp2 = read_metrics(tmp_path / "ds"), read_metrics(tmp_path / "fsdp2")
     assert [r["step"] for r in fsdp2] == list(range(1, 21))
     for a, b in zip(ds, fsdp2):
