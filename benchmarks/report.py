@@ -265,6 +265,12 @@ def check_targets(rows: list, suite: Suite, results: list) -> list:
         for engine in ("ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP2", "ZeRO-3 (compiled)", "FSDP2 (compiled)"):
             base, compiled = engine.split(" (")[0], " + compile" if "compiled" in engine else ""
             none, sel = of_shape.get(f"{base} + none{compiled}"), of_shape.get(f"{base} + selective{compiled}")
+            light = of_shape.get(f"{base} + light{compiled}")
+            if suite.host and none and light:  # `light`: the same host target as selective's
+                step = speed_ratio(results, shape.label, none["config"], light["config"])
+                out.append((f"Host time per step, {engine}: light <= 1.10x none", judged(step, 1.10, at_least=False),
+                            f"{fmt_ratio(step)}x{straddles(step, 1.10)} ({light['step_ms']:.1f} vs "
+                            f"{none['step_ms']:.1f} ms)"))
             if none and sel:
                 step = speed_ratio(results, shape.label, none["config"], sel["config"])  # step time, sel / none
                 if not suite.host and (none["activation_mib"] == "" or sel["activation_mib"] == ""):

@@ -112,6 +112,12 @@ SUITES = {
                     *zero(3, "none", compile=True), *same_policy(["selective", "full"], compile=True)]},
         repeats=5, profiled_steps=2, warmup_steps=5, timed_steps=30, timeout_s=300, targets_shape="vit-narrow",
         host=True),
+    # `light` against `none` and `selective` on the host shape, under both engines: its host cost alone
+    "host-light": Suite(
+        shapes=[Shape("vit-narrow", 32, 4, 2, "ViT 24 blocks x width 64, 32x32 (65 tokens), batch 2 per rank")],
+        runs={"*": same_policy(["none", "light", "selective"])},
+        repeats=5, profiled_steps=2, warmup_steps=5, timed_steps=30, timeout_s=300, targets_shape="vit-narrow",
+        host=True),
     # the micro-batch race on the host shape, where images/s rises with the micro-batch as on GPUs: 64 images
     # per step, each configuration at micro-batches 4 to 32 (accumulating 8 to 1), one screening repeat, then
     # five confirmation repeats of each side's fastest per budget (benchmarks/race.py)
