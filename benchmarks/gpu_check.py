@@ -359,6 +359,16 @@ def with_mfu(check: Check, job: dict, flops: float) -> dict:
     return job
 
 
+def trainer_figures(check: Check) -> dict:
+    """Part 7's figures, where it ran in this call ({} otherwise)."""
+    return check.results["parts"].get("trainer", {}).get("figures") or {}
+
+
+def trainer_micro_batch(check: Check) -> int:
+    """Part 7's micro-batch, or plan.py's where part 7 did not run in this call."""
+    return trainer_figures(check).get("micro_batch_size") or planned_micro_batch(check)
+
+
 def trainer(check: Check) -> dict:
     micro = planned_micro_batch(check)
     check.say(f"   plan.py's micro-batch: {micro}")
@@ -373,9 +383,8 @@ def trainer(check: Check) -> dict:
 
 
 def compiled_trainer(check: Check) -> dict:
-    micro = (check.results["parts"].get("trainer", {}).get("figures") or {}).get("micro_batch_size") \
-        or planned_micro_batch(check)
-    flops = forward_flops_per_image()
+    micro = trainer_micro_batch(check)
+    flops = trainer_figures(check).get("forward_flops_per_image") or forward_flops_per_image()
     jobs = {"fsdp2-zero3-none-compiled": ("fsdp2", 3, ["--compile", "true"]),
             "deepspeed-zero3-none-deepcompile": ("deepspeed", 3, ["--compile", "true", "--ds_config",
                                                                   "ds_configs/zero3_deepcompile.json"])}
@@ -390,8 +399,7 @@ def compiled_trainer(check: Check) -> dict:
 
 def worker(check: Check) -> dict:
     """Part 7's FSDP2 + none through benchmarks/bench_worker.py's plain FSDP2 (fully_shard per block, torch's clip)."""
-    micro = (check.results["parts"].get("trainer", {}).get("figures") or {}).get("micro_batch_size") \
-        or planned_micro_batch(check)
+    micro = trainer_micro_batch(check)
     shape = {"model": "vit-debug", "image_size": 16, "patch_size": 0} if SMOKE else \
         {"model": "vit-large", "image_size": 224, "patch_size": 16}
     spec = {"engine": "fsdp2", **shape, "micro_batch_size": micro, "reshard": True, "ac": "none", "num_labels": 1000,
@@ -402,8 +410,7 @@ def worker(check: Check) -> dict:
         raise RuntimeError(f"bench_worker exited {rc} (gpu_check.log)")
     result = read_json(out)
     figures = {"spec": spec, "images_per_sec": result["images_per_sec"], "peak_alloc_bytes": result["peak_alloc_bytes"]}
-    trained = (check.results["parts"].get("trainer", {}).get("figures") or {}).get("jobs", {}).get(
-        "fsdp2-zero3-none", {}).get("images_per_sec")
+    trained = trainer_figures(check).get("jobs", {}).get("fsdp2-zero3-none", {}).get("images_per_sec")
     if trained:
         figures["trainer_over_worker"] = trained / result["images_per_sec"]
     return figures
