@@ -82,8 +82,15 @@ class Config:
     preempt_grace: float = 25.0  # seconds from SIGTERM/SIGUSR1 to exit: the step finishes and a checkpoint is written (launchers kill at 30)
     resume: str = ""  # "" = fresh run, "latest" = newest checkpoint in output_dir, or a checkpoint directory
     progress: bool = True  # tqdm progress bar on rank 0
+    # experiment tracking (engine/tracking.py; docs/tracking.md)
+    report_to: str = "tensorboard"  # where the metrics go beside metrics.jsonl, comma-separated (a list in YAML): tensorboard, mlflow, wandb; none = metrics.jsonl only
+    tracking_uri: str = ""  # mlflow: the tracking server (http://host:port) or store; "" = $MLFLOW_TRACKING_URI, else MLflow's default
+    project: str = ""  # mlflow's experiment, wandb's project; "" = $MLFLOW_EXPERIMENT_NAME / $WANDB_PROJECT, else vit-training
+    run_name: str = ""  # the tracked run's name; "" = the output_dir's last component
+    log_model: bool = False  # also send hf_model/ to the trackers at the end (an artifact of the run)
 
 
+TRACKERS = ("tensorboard", "mlflow", "wandb")  # report_to's names (engine/tracking.py)
 KEYS = {f.name: f for f in dataclasses.fields(Config)}
 CHOICES = {"engine": ("deepspeed", "fsdp2"), "task": ("classification", "mae", "simmim", "segmentation"), "optimizer": ("adamw", "muon"), "zero_stage": (1, 2, 3), "precision": ("fp32", "bf16", "fp16", "auto"), "data_mode": ("epoch", "resampled", "synthetic")}
 
@@ -106,6 +113,8 @@ def _coerce(key: str, value, from_cli: bool):
             raise ConfigError(f"config key '{key}' expects {typ.__name__}, got '{value}'") from None
     if value is None and typ is str:
         return ""
+    if key == "report_to" and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return ",".join(value)  # YAML's list form of a comma-separated key
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
@@ -291,8 +300,20 @@ def _check(cfg: Config):
         _check_fsdp2(cfg)
     if cfg.lr <= 0:
         raise ConfigError(f"config key 'lr' must be positive, got {cfg.lr}")
+    _check_report_to(cfg.report_to)
     if not cfg.output_dir:
         raise ConfigError("config key 'output_dir' must not be empty")
+
+
+def _check_report_to(value: str):
+    """An unknown tracker, an empty list or `none` beside another one."""
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    unknown = [n for n in names if n not in TRACKERS + ("none",)]
+    if unknown:
+        raise ConfigError(f"report_to: unknown tracker {unknown[0]!r} (choose from {', '.join(TRACKERS)} or none; "
+                          f"several comma-separated)")
+    if not names or ("none" in names and len(names) > 1):
+        raise ConfigError(f"report_to {value!r}: name trackers (comma-separated) or only none")
 
 
 def _check_fsdp2(cfg: Config):

@@ -36,7 +36,7 @@ from data.synthetic import SyntheticBatches
 from data.synthetic import val_batches as synthetic_val
 from data.transforms import (EvalTransform, Normalize, SegEvalTransform, SegTrainTransform, TrainTransform,
                              mix_batch)
-from engine import compat
+from engine import compat, tracking
 from engine.checkpoint import (Resume, check_same_model, describe_load_error, find_resume, remove_interrupted, save,
                                to_universal)
 from engine.distributed import (DistributedError, Heartbeat, dist_env, exit_distributed, fail_fast,
@@ -134,6 +134,8 @@ def check_run(cfg: Config, world_size: int, rank: int) -> Checked:
         check_same_model(resume.state, resume.path, shapes)
     if resume and resume.note and rank == 0:
         print(resume.note, file=sys.stderr)
+    if rank == 0:  # a tracker asked for that does not answer (rank 0 alone talks to trackers)
+        tracking.check_reachable(cfg)
     if rank == 0:  # probe writability last, so a failure above leaves no directory behind
         existed = os.path.isdir(cfg.output_dir)
         try:
@@ -349,8 +351,14 @@ def open_log(run: Run, model: Model, start: Start, data: Data) -> RunLog:
               f"{cfg.grad_accum_steps} accum x {run.data_ranks} ranks | steps {start.step}->"
               f"{cfg.max_steps} | data {cfg.data_mode}"
               + (f", {data.per_epoch // cfg.grad_accum_steps} steps per epoch" if data.per_epoch else ""))
+    run.heartbeat.beat("opening the logs")
+    tags = {}
+    if run.rank == 0:  # what the trackers file the run under
+        tags = {"engine": cfg.engine, "zero_stage": cfg.zero_stage, "world_size": world_size, "task": cfg.task,
+                "model": cfg.model, "params_millions": round(model.n_params / 1e6, 2), "precision": model.precision,
+                "ac": cfg.ac, "commit": tracking.source_commit()}
     return RunLog(cfg, run.rank, start.step, model.ds_config, model.ac_plan, model.engine.module, model.processor,
-                  run.flush_logs)
+                  run.flush_logs, tags)
 
 
 def images_per_step(cfg: Config, world_size: int) -> int:
@@ -443,7 +451,7 @@ def train(run: Run, model: Model, start: Start, data: Data, log: RunLog) -> Trai
             score = trained.result.score if evaluating and not closed.preempted else None
             saved = save_checkpoint(run, model, data, ema, step, score, log)
         if closed.preempted:
-            log.close()
+            log.close("KILLED")
             if run.rank == 0:
                 name = signal.Signals(run.preemption.signal).name if run.preemption.signal else \
                     "a signal on another rank"
@@ -491,7 +499,7 @@ def log_steps(run: Run, model: Model, data: Data, ema: EMA | None, trained: Trai
             log.evaluation(r.step, trained.result, trained.ema_result)
         log.record(record)
         if trained.bad_in_a_row >= cfg.max_bad_steps:  # every rank sees the same all-reduced loss and skipped step
-            log.close()
+            log.close("FAILED")
             if run.rank == 0:
                 print(f"error: step {r.step}: the loss or the gradients were not finite in {trained.bad_in_a_row} "
                       f"steps in a row (max_bad_steps), each one skipped; the weights are those of step "
@@ -536,7 +544,9 @@ def finish(run: Run, model: Model, start: Start, trained: Trained, log: RunLog):
     with start.ema.swapped(model.engine) if cfg.export_ema else contextlib.nullcontext():
         exported = export_hf_model(model.engine, model.processor, hf_dir, run.rank, encoder_dir)
     if not exported:
+        log.close("FAILED")
         exit_distributed(EXIT_NONFINITE)
+    log.model(hf_dir)
     log.close()
     result, ema_result = trained.result, trained.ema_result
     seconds = trained.timed_seconds
