@@ -87,6 +87,7 @@ class Config:
     tracking_uri: str = ""  # mlflow: the tracking server (http://host:port) or store; "" = $MLFLOW_TRACKING_URI, else MLflow's default
     project: str = ""  # mlflow's experiment, wandb's project; "" = $MLFLOW_EXPERIMENT_NAME / $WANDB_PROJECT, else vit-training
     run_name: str = ""  # the tracked run's name; "" = the output_dir's last component
+    tracking_parent: str = ""  # mlflow: the run this one nests under (sweep.py sets each trial's to the study's run)
     log_model: bool = False  # also send hf_model/ to the trackers at the end (an artifact of the run)
 
 

@@ -69,7 +69,7 @@ def first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0][:300]}" if text else type(e).__name__
 
 
-def _mlflow_quick_failures():
+def mlflow_quick_failures():
     """MLflow retries a failed request for minutes by default; here a failure returns at once and the sender
     retries it (each variable stays as the user set it)."""
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
@@ -81,7 +81,7 @@ def check_reachable(cfg: Config):
     written. Rank 0 only: the other ranks never talk to a tracker."""
     names = chosen(cfg)
     if "mlflow" in names:
-        _mlflow_quick_failures()
+        mlflow_quick_failures()
         from mlflow.tracking import MlflowClient
 
         uri = mlflow_uri(cfg)
@@ -186,7 +186,7 @@ class MLflowTracker:
     def __init__(self, cfg: Config, state: dict | None, params: dict, tags: dict, warn, save_state, logged: list):
         """`logged`: the records metrics.jsonl keeps (a resumed run's); those past the step the previous
         launch confirmed sent (a kill -9 loses what was in flight) are sent again."""
-        _mlflow_quick_failures()
+        mlflow_quick_failures()
         from mlflow.entities import Param, RunTag
         from mlflow.tracking import MlflowClient
 
@@ -202,7 +202,8 @@ class MLflowTracker:
             name = project(cfg, "mlflow")
             experiment = client.get_experiment_by_name(name)
             experiment_id = experiment.experiment_id if experiment else client.create_experiment(name)
-            self.run_id = client.create_run(experiment_id, run_name=run_name(cfg)).info.run_id
+            nested = {"mlflow.parentRunId": cfg.tracking_parent} if cfg.tracking_parent else {}
+            self.run_id = client.create_run(experiment_id, run_name=run_name(cfg), tags=nested).info.run_id
         items = [Param(k, v) for k, v in params.items()]
         for i in range(0, len(items), 100):  # log_batch takes at most 100 parameters
             client.log_batch(self.run_id, params=items[i:i + 100])

@@ -6,6 +6,7 @@ import copy
 import hashlib
 import json
 import os
+import re
 import socket
 from urllib.parse import urlparse
 
@@ -62,6 +63,29 @@ SEGFORMER_SIZES = {
     "segformer-b5": ((64, 128, 320, 512), (3, 6, 40, 3), (1, 2, 5, 8), 768),
 }
 NAMES = (*VIT_SIZES, *SWIN_SIZES, *SEGFORMER_SIZES)
+# generated ViT sizes, `vit-w<hidden>-d<depth>`: 64-wide heads (32 below 64), MLP 4x the width, patch 2 (the
+# scaling-law grid of benchmarks/scaling.py; any width divisible by its heads)
+GENERATED_VIT = re.compile(r"vit-w(\d+)-d(\d+)$")
+
+
+def vit_size(name: str):
+    """(hidden, depth, heads, mlp, patch) of a ViT registry name or a generated `vit-w<W>-d<D>`; None otherwise."""
+    if name in VIT_SIZES:
+        return VIT_SIZES[name]
+    m = GENERATED_VIT.match(name)
+    if not m:
+        return None
+    hidden, depth = int(m.group(1)), int(m.group(2))
+    head_dim = 64 if hidden >= 64 else 32
+    if hidden < 8 or depth < 1 or hidden % min(head_dim, hidden):
+        raise ValueError(f"model {name}: a generated ViT needs a width of at least 8, a multiple of {head_dim}, and "
+                         f"a depth of at least 1")
+    return hidden, depth, max(1, hidden // head_dim), 4 * hidden, 2
+
+
+def is_registry(name: str) -> bool:
+    """A registry name: built from the seed, not loaded (the named sizes and the generated ViTs)."""
+    return name in NAMES or bool(GENERATED_VIT.match(name))
 CLASSIFIERS = {"vit": ViTForImageClassification, "swin": SwinForImageClassification,
                "segformer": SegformerForImageClassification}
 HEAD = "classifier"  # the classification head of transformers' ViT and Swin: what `freeze: backbone` trains
@@ -74,8 +98,8 @@ def model_config(name: str, num_labels: int, image_size: int, patch_size: int = 
     labels = list(class_names) if class_names else [str(i) for i in range(num_labels)]
     label_args = dict(num_labels=num_labels, id2label=dict(enumerate(labels)),
                       label2id={n: i for i, n in enumerate(labels)})
-    if name in VIT_SIZES:
-        hidden, depth, heads, mlp, patch = VIT_SIZES[name]
+    if vit_size(name):
+        hidden, depth, heads, mlp, patch = vit_size(name)
         config = ViTConfig(hidden_size=hidden, num_hidden_layers=depth, num_attention_heads=heads,
                            intermediate_size=mlp, image_size=image_size, patch_size=patch_size or patch,
                            **label_args)
@@ -149,7 +173,7 @@ def pretrained_config(name: str, **overrides):
 
     if os.path.isfile(os.path.join(name, "config.json")):
         return AutoConfig.from_pretrained(name, **overrides)
-    unknown = f"unknown model '{name}': not a registry name ({', '.join(NAMES)}), nor a local directory holding " \
+    unknown = f"unknown model '{name}': not a registry name ({', '.join(NAMES)}, or a generated vit-w<W>-d<D>), nor a local directory holding " \
               f"config.json"
     if os.path.exists(name):
         raise ValueError(f"{unknown}: '{name}' exists but holds no config.json")
@@ -268,7 +292,7 @@ def registry_processor(name: str, image_size: int, segmentation: bool = False):
     Google's checkpoints), ImageNet's mean and std for a Swin and a SegFormer (as their authors').
     `segmentation`: SegFormer's processor, the one transformers' UperNet checkpoints use, whose post-processing
     turns logits into label maps (pipeline("image-segmentation"))."""
-    mean, std = ((0.5,) * 3, (0.5,) * 3) if name in VIT_SIZES else (IMAGENET_MEAN, IMAGENET_STD)
+    mean, std = ((0.5,) * 3, (0.5,) * 3) if vit_size(name) else (IMAGENET_MEAN, IMAGENET_STD)
     if segmentation:
         from transformers import SegformerImageProcessorPil
 
@@ -288,7 +312,7 @@ def build_model(name: str, num_labels: int, image_size: int, patch_size: int = 0
     head). transformers' ZeRO-3 loader cannot skip a head
     of another shape, so a pretrained model loads with its own head, which is then replaced."""
     config = model_config(name, num_labels, image_size, patch_size, class_names, drop_path)
-    if name in NAMES:
+    if is_registry(name):
         model = CLASSIFIERS[config.model_type]._from_config(config)
         init_weights(model, seed, gathered)
         processor = registry_processor(name, image_size)

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from config import ConfigError
 from data.masking import masked_inputs
 from engine import compat
-from models.registry import NAMES, add_drop_path, init_weights, model_config, module_seed, registry_processor
+from models.registry import (NAMES, add_drop_path, init_weights, is_registry, model_config, module_seed,
+                             registry_processor)
 
 TASKS = ("classification", "mae", "simmim", "segmentation")
 # MAE's decoder for ViT-B and larger (He et al. 2022, Table 1: 8 blocks of width 512, 16 heads); a narrower
@@ -40,7 +41,7 @@ def task_config(name: str, task: str, num_labels: int, image_size: int, patch_si
 
     if task not in TASKS:
         raise ConfigError(f"unknown task '{task}' (one of: {', '.join(TASKS)})")
-    if task != "classification" and name not in NAMES:
+    if task != "classification" and not is_registry(name):
         raise ConfigError(f"task {task}: a registry model is needed ({', '.join(NAMES)}); '{name}' is not one")
     base = model_config(name, num_labels, image_size, patch_size, class_names, drop_path)
     vit = base.model_type == "vit"

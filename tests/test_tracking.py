@@ -13,7 +13,7 @@ import time
 import urllib.request
 
 import pytest
-from conftest import BIN, ForkedJob, check_input, free_port, launch, read_metrics
+from conftest import BIN, REPO, ForkedJob, check_input, free_port, launch, read_metrics
 
 from engine import tracking
 
@@ -243,3 +243,37 @@ def test_kill_9_and_resume_continue_the_same_tracked_run(debug_args, mlflow_serv
     assert other_id != run_id
     sent = {a.path: a.file_size for a in client.list_artifacts(other_id, "hf_model")}
     assert sent["hf_model/model.safetensors"] == (other / "hf_model" / "model.safetensors").stat().st_size
+
+
+def test_a_sweep_logs_its_trials_as_nested_runs(digits, mlflow_server, tmp_path):
+    """sweep.py with mlflow in the base config's report_to: the study is an MLflow run, each launched trial a run
+    nested under it (mlflow.parentRunId) with the trial's values as parameters and its state as a tag; the pruned
+    one ends KILLED; the study's run ends with the counts of trials by state."""
+    import yaml
+
+    study = tmp_path / "nested.yaml"
+    study.write_text(yaml.safe_dump({
+        "overrides": {"model": "vit-debug", "image_size": 16, "micro_batch_size": 16, "max_steps": 20,
+                      "warmup_steps": 5, "eval_every": 10, "save_every": 0, "num_workers": 0, "shuffle_buffer": 200,
+                      "train_shards": digits["train"], "val_shards": digits["val"], "lr": 0.003,
+                      "report_to": "mlflow", "tracking_uri": mlflow_server.uri, "project": "sweeps"},
+        "space": {"lr": {"type": "categorical", "choices": [0.003, 1.0]}}, "sampler": "random", "seed": 1,
+        "pruner": "median", "objectives": [{"metric": "loss", "direction": "minimize"}], "trials": 2,
+        "launcher": "python", "nproc_per_node": 1}))
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "sweep.py", "--study", str(study), "--output_dir", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    client = mlflow_server.client()
+    experiment = client.get_experiment_by_name("sweeps")
+    [parent] = client.search_runs([experiment.experiment_id], "tags.sweep = 'nested'")
+    assert parent.info.status == "FINISHED" and parent.data.metrics["trials_complete"] == 1 and \
+        parent.data.metrics["trials_pruned"] == 1 and parent.data.tags["best.lr"] == "0.003"
+    children = client.search_runs([experiment.experiment_id],
+                                  f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    by_trial = {r.data.tags["sweep.trial"]: r for r in children}
+    assert set(by_trial) == {"0", "1"}
+    assert by_trial["0"].data.params["lr"] == "0.003" and by_trial["0"].data.tags["sweep.state"] == "complete"
+    assert by_trial["0"].info.status == "FINISHED" and by_trial["0"].info.run_name == "nested-trial-0000"
+    assert by_trial["1"].data.params["lr"] == "1.0" and by_trial["1"].data.tags["sweep.state"] == "pruned"
+    assert by_trial["1"].info.status == "KILLED"
