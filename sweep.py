@@ -514,7 +514,12 @@ def write_report(study, spec: StudySpec, output_dir: str) -> str:
     trials = study.get_trials(deepcopy=False)
     keys = list(spec.space)
     names = [o["metric"] for o in spec.objectives]
+    started = min((t.datetime_start for t in trials if t.datetime_start), default=None)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip()
     lines = [f"# Sweep `{spec.name}`", "",
+             f"Started {started:%Y-%m-%d %H:%M} at commit {commit or '?'}, on {os.cpu_count()} cores."
+             if started else "No trial yet.", "",
              f"{len(trials)} trials: " + ", ".join(
                  f"{sum(t.state == s for t in trials)} {s.name.lower()}" for s in
                  (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL, TrialState.RUNNING, TrialState.WAITING)
@@ -527,14 +532,16 @@ def write_report(study, spec: StudySpec, output_dir: str) -> str:
              "|---" * (len(keys) + len(names) + 6) + "|"]
     for t in trials:
         a = t.user_attrs
-        objective = [fmt(v) for v in t.values] if t.values else [""] * len(names)
+        # a pruned trial's value is its last intermediate one, not a result: shown in its note
+        objective = [fmt(v) for v in t.values] if t.values and t.state == TrialState.COMPLETE else [""] * len(names)
         planned = f"{a['predicted_step_s']:.3g}" if "predicted_step_s" in a else "-"
         measured = f"{a['measured_step_s']:.3g}" if "measured_step_s" in a else "-"
         note = "the recipe" if is_recipe(study, t) else ""
         if t.state == TrialState.FAIL:
             note = (note + "; " if note else "") + a.get("error", "its worker stopped; retried as a later trial")
         if t.state == TrialState.PRUNED:
-            note = (note + "; " if note else "") + f"pruned at step {a.get('pruned_at_step', '?')}"
+            last = f" ({names[0]} {fmt(t.values[0])} there)" if t.values else ""
+            note = (note + "; " if note else "") + f"pruned at step {a.get('pruned_at_step', '?')}{last}"
         lines.append(f"| {t.number} | {t.state.name.lower()} | " + " | ".join(fmt(t.params.get(k, "")) for k in keys)
                      + " | " + " | ".join(objective) + f" | {a.get('pruned_at_step', a.get('steps', ''))} | "
                      f"{a.get('seconds', 0):.0f} | {planned} / {measured} | {note} |")

@@ -2,6 +2,7 @@
 results.md, the Pareto plot and the comparison of a rerun with a committed run."""
 import math
 import statistics
+from typing import NamedTuple
 
 from benchmarks.suites import MiB, Run, Suite, fsdp2, micro_and_accum, runs_of
 
@@ -21,23 +22,43 @@ def by_repeat(results: list, shape: str, config: str, value) -> dict:
             if r["shape"] == shape and r["run"] == config and "error" not in r}
 
 
+MIN_REPEATS = 5  # the method's repeats (docs/benchmarks.md): a ratio over fewer pairs is not a verdict
+
+
+class Ratio(NamedTuple):
+    """A paired ratio: the point, its 95% bootstrap interval, the pairs it is read from, and the repeats left
+    out (a value <= 0, or a repeat that ran on one side only)."""
+    ratio: float
+    low: float
+    high: float
+    n: int
+    dropped: int = 0
+
+
 def paired_ratio(a: dict, b: dict, seed: int = 0):
-    """(ratio, low, high, n) of a over b, both {repeat: value}: the geometric mean of the per-repeat ratios
-    (a and b of one repeat ran in the same sweep of the alternating order, so the machine's drift between
-    sweeps cancels), with a 95% percentile bootstrap interval over the repeats. None without a common repeat."""
+    """Ratio of a over b, both {repeat: value}: the geometric mean of the per-repeat ratios (a and b of one repeat
+    ran in the same sweep of the alternating order, so the machine's drift between sweeps cancels), with a 95%
+    percentile bootstrap interval over the repeats. Every repeat left out is counted in `dropped`. None without
+    a common repeat."""
     import random
 
+    keys = set(a) | set(b)
     logs = [math.log(a[k] / b[k]) for k in sorted(set(a) & set(b)) if a[k] > 0 and b[k] > 0]
     if not logs:
         return None
     rng = random.Random(seed)
     means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(BOOTSTRAP_RESAMPLES))
     lo, hi = means[int(0.025 * len(means))], means[int(0.975 * len(means)) - 1]
-    return math.exp(statistics.fmean(logs)), math.exp(lo), math.exp(hi), len(logs)
+    return Ratio(math.exp(statistics.fmean(logs)), math.exp(lo), math.exp(hi), len(logs), len(keys) - len(logs))
 
 
 def fmt_ratio(r) -> str:
-    return f"{r[0]:.3f} [{r[1]:.3f}, {r[2]:.3f}]" if r else "n/a"
+    if not r:
+        return "n/a"
+    text = f"{r[0]:.3f} [{r[1]:.3f}, {r[2]:.3f}]"
+    if isinstance(r, Ratio) and (r.dropped or r.n < MIN_REPEATS):
+        text += f" ({r.n} pairs" + (f", {r.dropped} repeats dropped" if r.dropped else "") + ")"
+    return text
 
 
 def speed_ratio(results, shape, a, b):
@@ -179,8 +200,11 @@ UNDECIDED, NOT_MEASURED, REPORTED = "undecided (the interval straddles)", "not m
 
 
 def judged(r, threshold: float, at_least: bool):
-    """A ratio's verdict against its threshold, read from its 95% interval (point, low, high, n): met or missed when
-    the whole interval lies on one side, undecided when it straddles the threshold."""
+    """A ratio's verdict against its threshold, read from its 95% interval (point, low, high[, n, dropped]): met
+    or missed when the whole interval lies on one side, undecided when it straddles the threshold; not measured
+    without a ratio or from fewer pairs than the method's MIN_REPEATS (one pair's "interval" is its point)."""
+    if r is None or (isinstance(r, Ratio) and r.n < MIN_REPEATS):
+        return NOT_MEASURED
     low, high = r[1], r[2]
     if at_least:
         return True if low >= threshold else False if high < threshold else UNDECIDED
@@ -218,7 +242,9 @@ def check_targets(rows: list, suite: Suite, results: list) -> list:
 
     for e in engine_table(results, rows, suite):
         speed, memory = e["speed"], e["memory"]
-        if not speed or not memory:
+        if not speed or not memory:  # a side with no paired repeat: said, not skipped
+            out.append((f"{e['ours']['config']} against {e['fsdp2']['config']} ({e['shape'].split(',')[0]})",
+                        NOT_MEASURED, "no paired repeats of both"))
             continue
         if suite.host:  # the time per step is the host's: DeepSpeed's at most 1.2x FSDP2's
             step = speed_ratio(results, e["shape"], e["fsdp2"]["config"], e["ours"]["config"])

@@ -94,8 +94,8 @@ def fit_two_term(n: np.ndarray, d: np.ndarray, err: np.ndarray) -> np.ndarray:
         return np.log(two_term_law(xn, xd, *p)) - np.log(err)
 
     lo_err = float(err.min())
-    starts = [(e * lo_err, a, al, b, be) for e in (0.0, 0.5) for a in (0.1, 1.0) for al in (0.3, 1.0)
-              for b in (0.1, 1.0) for be in (0.3, 1.0)]
+    starts = [(e * lo_err, a, al, a, be) for e in (0.0, 0.5) for a in (0.1, 1.0) for al in (0.3, 1.0)
+              for be in (0.3, 1.0)]
     e, a, al, b, be = _robust_fit(residual, starts, ([0.0, 0.0, 0.0, 0.0, 0.0], [lo_err, 1e3, 3.0, 1e3, 3.0]))
     return np.array([e, a * sn ** al, al, b * sd ** be, be])
 
@@ -129,18 +129,22 @@ def compute_frontier(runs: list) -> list:
     return out
 
 
+OPTIMAL_RANGE = (1e3, 1e12)  # parameters the compute-optimal search spans
+
+
 def compute_optimal(params: np.ndarray, budget: float, flops_per_param_image: float) -> tuple[float, float]:
-    """(N, D) minimising the two-term law at training compute `budget`, with C = k N D."""
-    ns = np.logspace(3, 12, 4000)
+    """(N, D) minimising the two-term law at training compute `budget`, with C = k N D (N at an end of
+    OPTIMAL_RANGE: the law has no interior optimum there)."""
+    ns = np.logspace(math.log10(OPTIMAL_RANGE[0]), math.log10(OPTIMAL_RANGE[1]), 4000)
     ds = budget / (flops_per_param_image * ns)
     i = int(np.argmin(two_term_law(ns, ds, *params)))
     return float(ns[i]), float(ds[i])
 
 
 # ---------------------------------------------------------------------------------------------------- the runs
-def forward_flops(size: str) -> tuple[int, float]:
+def forward_flops(size: str, recipe: str = RECIPE) -> tuple[int, float]:
     """(parameters, forward FLOPs per image) of a size at the recipe's image size, from the planner."""
-    cmd = [sys.executable, "plan.py", "--config", RECIPE, "--model", size, "--micro_batch_size", str(MICRO_BATCH),
+    cmd = [sys.executable, "plan.py", "--config", recipe, "--model", size, "--micro_batch_size", str(MICRO_BATCH),
            "--world_size", "1", "--ranks_per_node", "1", "--device", "cpu", "--device_tflops", "0.1",
            "--device_memory_gb", "16", "--json"]
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -148,9 +152,9 @@ def forward_flops(size: str) -> tuple[int, float]:
     return plan["params"], plan["forward_flops_per_image"]
 
 
-def train(size: str, steps: int, tmp: str) -> dict:
+def train(size: str, steps: int, tmp: str, recipe: str = RECIPE) -> dict:
     out_dir = os.path.join(tmp, f"{size}-{steps}")
-    cmd = [sys.executable, "train.py", "--config", RECIPE, "--model", size, "--max_steps", str(steps),
+    cmd = [sys.executable, "train.py", "--config", recipe, "--model", size, "--max_steps", str(steps),
            "--micro_batch_size", str(MICRO_BATCH), "--warmup_steps", str(max(10, steps // 10)), "--eval_every", "0",
            "--save_every", "0", "--progress", "false", "--report_to", "none", "--num_workers", "0",
            "--output_dir", out_dir]
@@ -165,15 +169,15 @@ def train(size: str, steps: int, tmp: str) -> dict:
             "error": 1.0 - summary["val_top1"], "seconds": round(time.monotonic() - start, 1)}
 
 
-def run_grid(sizes, steps, parallel: int, out: str) -> list:
+def run_grid(sizes, steps, parallel: int, out: str, recipe: str = RECIPE) -> list:
     """Every (size, steps) not yet in runs.jsonl, `parallel` at a time, each appended as it finishes."""
     path = os.path.join(out, "runs.jsonl")
     done = {(r["size"], r["steps"]) for r in read_runs(path)}
-    flops = {s: forward_flops(s) for s in sizes}
+    flops = {s: forward_flops(s, recipe) for s in sizes}
     todo = [(s, n) for n in steps for s in sizes if (s, n) not in done]
     print(f"scaling: {len(todo)} runs to train ({len(done)} already in {path})", flush=True)
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(parallel) as pool:
-        for r in pool.map(lambda job: train(*job, tmp), todo):
+        for r in pool.map(lambda job: train(*job, tmp, recipe), todo):
             params, fwd = flops[r["size"]]
             r.update(params=params, forward_flops_per_image=fwd, flops=3.0 * fwd * r["images"])
             with open(path, "a") as f:
@@ -215,13 +219,18 @@ def analyse(runs: list) -> dict:
     k = statistics.median(3 * r["forward_flops_per_image"] / r["params"] for r in runs)
     budget = 10 * max(r["flops"] for r in runs)
     n_opt, d_opt = compute_optimal(everything, budget, k)
+    n_share = (two[1] / held["params"] ** two[2]) / two_pred  # of the predicted error, the parameters' term
     return {"two_term": {"params": two.tolist(), "held_out": held, "predicted": two_pred, "interval": [two_lo, two_hi],
+                         "n_term_share": n_share,
                          "failed_resamples": two_failed, "met": two_lo <= held["error"] <= two_hi},
             "frontier": {"params": front.tolist(), "points": [(r["size"], r["steps"]) for r in frontier],
                          "held_out": top, "predicted": front_pred, "interval": [front_lo, front_hi],
-                         "failed_resamples": front_failed, "met": front_lo <= top["error"] <= front_hi},
+                         "failed_resamples": front_failed, "met": front_lo <= top["error"] <= front_hi,
+                         # a fit pinned at a bound: the exponent at its cap, or the floor at the best error seen
+                         "at_bound": bool(front[1] >= 3.99 or front[2] >= 0.999 * float(fe.min()))},
             "two_term_all": everything.tolist(), "flops_per_param_image": k,
             "optimal": {"budget_flops": budget, "params": n_opt, "images": d_opt,
+                        "at_edge": not OPTIMAL_RANGE[0] * 1.01 < n_opt < OPTIMAL_RANGE[1] / 1.01,
                         "predicted_error": float(two_term_law(n_opt, d_opt, *everything))}}
 
 
@@ -230,35 +239,49 @@ def report(runs: list, result: dict, out: str, env: dict):
     e, a, al, b, be = two["params"]
     fa, fb, fc, fd = front["params"]
     lines = [
-        f"# Scaling laws on the digits ({env['date']}, commit {env['commit']})", "",
+        f"# Scaling laws: {env['recipe']} ({env['date']}, commit {env['commit']})", "",
         f"{len(runs)} runs: sizes {', '.join(sorted({r['size'] for r in runs}, key=lambda s: (len(s), s)))} x "
         f"{', '.join(str(s) for s in sorted({r['steps'] for r in runs}))} steps of {MICRO_BATCH} images, one rank "
-        f"each ({RECIPE}'s keys, fp32, {env['machine']}). Error = 1 - final val top-1 (359 images: one image is "
-        f"0.28%). FLOPs: the planner's forward count x 3 x images.", "",
+        f"each ({env['recipe']}'s keys, fp32, {env['machine']}). Error = 1 - final val top-1" + (
+            " (359 images: one image is 0.28%)" if env["recipe"] == RECIPE else "") + "."
+        f" FLOPs: the planner's forward count x 3 x images.", "",
         "| size | params | steps | images | training FLOPs | val top-1 | error | seconds |", "|---|---|---|---|---|---|---|---|"]
     for r in sorted(runs, key=lambda r: (r["params"], r["steps"])):
         lines.append(f"| {r['size']} | {r['params']:,} | {r['steps']} | {r['images']:,} | {r['flops']:.3g} | "
                      f"{r['val_top1']:.2%} | {r['error']:.4f} | {r['seconds']:.0f} |")
     held, top = two["held_out"], front["held_out"]
+    sizing = (
+        f"Fitted on every run, the two-term law has no compute-optimal size inside {OPTIMAL_RANGE[0]:.0e}-"
+        f"{OPTIMAL_RANGE[1]:.0e} parameters for {opt['budget_flops']:.3g} training FLOPs (10x the largest run): its "
+        f"minimum lies at the search's edge ({opt['params']:,.0f}), since the law fitted to these runs does not trade "
+        f"parameters against data. Not reported as a size." if opt["at_edge"] else None)
     lines += [
         "", "## Held out", "",
         f"- **Two-term law** E = e + A/N^α + B/D^β, fitted without {held['size']}'s runs: e = {e:.4f}, A = {a:.3g}, "
         f"α = {al:.3f}, B = {b:.3g}, β = {be:.3f}. It predicts {held['size']} at {held['steps']} steps: "
         f"{two['predicted']:.4f} [{two['interval'][0]:.4f}, {two['interval'][1]:.4f}] (95% bootstrap over runs, "
         f"{two['failed_resamples']} of {BOOTSTRAP} resamples unfit); measured {held['error']:.4f}: "
-        f"**{'met' if two['met'] else 'MISSED'}**.",
+        f"**{'met' if two['met'] else 'MISSED'}**. The parameters' term is {two['n_term_share']:.1%} of that "
+        f"prediction" + (": the fit found no gain from parameters on these runs (at these step budgets the deeper "
+                         "models train worse, an optimisation limit the law does not describe)."
+                         if two["n_term_share"] < 0.05 else "."),
         f"- **Frontier law** E = a (C + d)^-b + c, fitted on the compute frontier without the run of largest compute "
         f"({len(front['points'])} points: {', '.join(f'{s} x {n}' for s, n in front['points'])}): a = {fa:.3g}, "
         f"b = {fb:.3f}, c = {fc:.4f}, d = {fd:.3g}. It predicts {top['size']} at {top['steps']} steps "
         f"({top['flops']:.3g} FLOPs): {front['predicted']:.4f} [{front['interval'][0]:.4f}, "
         f"{front['interval'][1]:.4f}] ({front['failed_resamples']} resamples unfit); measured {top['error']:.4f}: "
-        f"**{'met' if front['met'] else 'MISSED'}**.",
+        f"**{'met' if front['met'] else 'MISSED'}**." + (
+            " The fit sits at a bound (the exponent at its cap of 4, or the floor c at the best error it was given): "
+            "the frontier's points do not pin the law down, and the verdict says the floor held, not that the law "
+            "extrapolates." if front["at_bound"] else ""),
         "", "## Sizing", "",
+        sizing or
         f"Fitted on every run, the two-term law puts the compute-optimal model for {opt['budget_flops']:.3g} "
         f"training FLOPs (10x the largest run) at {opt['params']:,.0f} parameters trained on {opt['images']:,.0f} "
         f"images (C = {result['flops_per_param_image']:.3g} FLOPs per parameter per image, the median over the "
-        f"runs), predicted error {opt['predicted_error']:.4f}. On 1,438 training images such a run is "
-        f"{opt['images'] / 1438:.0f} epochs: this is an exercise of the method, not advice for the digits.",
+        f"runs), predicted error {opt['predicted_error']:.4f}." + (
+            f" On 1,438 training images such a run is {opt['images'] / 1438:.0f} epochs: this is an exercise of the "
+            f"method, not advice for the digits." if env["recipe"] == RECIPE else ""),
         "", "![scaling](scaling.png)"]
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -305,6 +328,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default=",".join(SIZES), help="registry or generated sizes, comma-separated")
     p.add_argument("--steps", default=",".join(map(str, STEPS)), help="step budgets, comma-separated")
+    p.add_argument("--recipe", default=RECIPE, help="the train.py recipe every run starts from")
     p.add_argument("--parallel", type=int, default=2, help="runs at a time (one rank and one thread each)")
     p.add_argument("--out", default=OUT)
     p.add_argument("--report_only", action="store_true", help="refit and redraw from runs.jsonl")
@@ -313,13 +337,13 @@ def main(argv=None):
     if a.report_only:
         runs = read_runs(os.path.join(a.out, "runs.jsonl"))
     else:
-        runs = run_grid(a.sizes.split(","), [int(s) for s in a.steps.split(",")], a.parallel, a.out)
+        runs = run_grid(a.sizes.split(","), [int(s) for s in a.steps.split(",")], a.parallel, a.out, a.recipe)
     result = analyse(runs)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip()
     machine = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                    "?") + f", {os.cpu_count()} cores"
-    env = {"date": datetime.date.today().isoformat(), "commit": commit, "machine": machine}
+    env = {"date": datetime.date.today().isoformat(), "commit": commit, "machine": machine, "recipe": a.recipe}
     with open(os.path.join(a.out, "analysis.json"), "w") as f:
         json.dump({**result, **env}, f, indent=1)
     report(runs, result, a.out, env)

@@ -138,13 +138,13 @@ def test_paired_ratio_cancels_drift_between_repeats():
     # the machine slows by 2x over the repeats; within each repeat a is 1.1x b: the ratio is exactly 1.1
     b = {k: 10.0 / (1 + k / 4) for k in range(5)}
     a = {k: 1.1 * v for k, v in b.items()}
-    ratio, low, high, n = paired_ratio(a, b)
-    assert (n, round(ratio, 9), round(low, 9), round(high, 9)) == (5, 1.1, 1.1, 1.1)
+    ratio, low, high, n, dropped = paired_ratio(a, b)
+    assert (n, dropped, round(ratio, 9), round(low, 9), round(high, 9)) == (5, 0, 1.1, 1.1, 1.1)
     # noise widens the interval around the point; a repeat missing on one side is left out
     a[2] *= 1.05
     a[7] = 99.0
-    ratio, low, high, n = paired_ratio(a, b)
-    assert n == 5 and low < ratio < high and low >= 1.1 and high <= 1.1 * 1.05
+    ratio, low, high, n, dropped = paired_ratio(a, b)
+    assert n == 5 and dropped == 1 and low < ratio < high and low >= 1.1 and high <= 1.1 * 1.05
     assert paired_ratio({0: 1.0}, {1: 1.0}) is None
 
 
@@ -178,6 +178,19 @@ def test_verdicts_read_the_interval():
     assert both(True, UNDECIDED) == UNDECIDED and both(UNDECIDED, False) is False and both(True, True) is True
     assert both(True, NOT_MEASURED) == NOT_MEASURED
     assert [render(v) for v in (True, False, NOT_MEASURED)] == ["yes", "**missed**", "not measured"]
+
+
+def test_a_ratio_from_too_few_pairs_is_not_measured_and_its_dropped_repeats_are_shown():
+    """The input that once collapsed to a verdict: two of three repeats dropped (a value <= 0, a repeat on one
+    side only) left one pair, whose bootstrap "interval" is its point, judged met against 1.10."""
+    from benchmarks.report import MIN_REPEATS, NOT_MEASURED, fmt_ratio, judged
+
+    r = paired_ratio({0: 1.2, 1: 0.0, 2: 5.0}, {0: 1.0, 1: 1.0})
+    assert (r.n, r.dropped) == (1, 2) and r.low == r.high == pytest.approx(1.2)
+    assert judged(r, 1.10, at_least=True) == NOT_MEASURED and judged(None, 1.10, at_least=True) == NOT_MEASURED
+    assert fmt_ratio(r) == "1.200 [1.200, 1.200] (1 pairs, 2 repeats dropped)"
+    enough = paired_ratio({k: 1.2 for k in range(MIN_REPEATS)}, {k: 1.0 for k in range(MIN_REPEATS)})
+    assert judged(enough, 1.10, at_least=True) is True and fmt_ratio(enough) == "1.200 [1.200, 1.200]"
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ def test_the_two_term_fit_recovers_known_parameters_from_noisy_runs():
     np.testing.assert_allclose(scaling.two_term_law(n, d, *fitted), scaling.two_term_law(n, d, *true), rtol=0.05)
     held_n, held_d = 3e6, 1e5  # beyond every run's N: an extrapolation
     lo, hi, failed = scaling.bootstrap(scaling.fit_two_term, lambda p: scaling.two_term_law(held_n, held_d, *p),
-                                       (n, d, err), resamples=60)
+                                       (n, d, err), resamples=40)
     assert lo <= scaling.two_term_law(held_n, held_d, *true) <= hi and failed < 10
 
 

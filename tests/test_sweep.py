@@ -247,3 +247,14 @@ def test_two_workers_share_a_study_in_postgresql_and_a_killed_one_is_retried(dig
     assert not any(t.state.name in ("RUNNING", "WAITING") for t in trials)
     report = sweep("--study", study, "--output_dir", out, "--storage", postgres.url, "--report_only")
     assert "4 complete" in (out / "report.md").read_text(), report.stdout
+
+
+def test_the_shipped_study_files_load():
+    """configs/sweeps/*.yaml pass every check a study gets before its first trial."""
+    import sweep
+
+    paths = sorted(glob.glob(os.path.join(REPO, "configs", "sweeps", "*.yaml")))
+    assert paths
+    for path in paths:
+        spec = sweep.load_spec(path)
+        assert spec.trials > 0 and spec.space
