@@ -200,6 +200,9 @@ def postgres():
     shutil.rmtree(root, ignore_errors=True)
 
 
+# slow (~50 s): a PostgreSQL server, two workers and a heartbeat grace to wait out; the default run's studies go
+# through the same trial loop on SQLite
+@pytest.mark.slow
 def test_two_workers_share_a_study_in_postgresql_and_a_killed_one_is_retried(digits, tmp_path, postgres):
     """Two `sweep.py --worker` processes on one study in PostgreSQL; worker A is killed with its trial's job (a
     lost node) mid-trial. Its trial goes stale (heartbeat 2 s), fails without an error of its own, and worker B

@@ -245,6 +245,8 @@ def test_kill_9_and_resume_continue_the_same_tracked_run(debug_args, mlflow_serv
     assert sent["hf_model/model.safetensors"] == (other / "hf_model" / "model.safetensors").stat().st_size
 
 
+# slow (~35 s): a whole two-trial study; the default run checks train.py's MLflow runs themselves
+@pytest.mark.slow
 def test_a_sweep_logs_its_trials_as_nested_runs(digits, mlflow_server, tmp_path):
     """sweep.py with mlflow in the base config's report_to: the study is an MLflow run, each launched trial a run
     nested under it (mlflow.parentRunId) with the trial's values as parameters and its state as a tag; the pruned
