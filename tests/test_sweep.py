@@ -261,3 +261,39 @@ def test_the_shipped_study_files_load():
     for path in paths:
         spec = sweep.load_spec(path)
         assert spec.trials > 0 and spec.space
+
+
+def test_the_pictures_and_the_journal_storage(tmp_path):
+    """sweep.py's outputs on studies filled in-process (no launch): two objectives draw a Pareto front and the
+    importances, one objective its history; a study in Optuna's journal file (the shared-file-system storage)
+    is created, continued by a second open, and counted."""
+    import optuna
+
+    import sweep
+
+    spec = sweep.StudySpec(name="pics", space={"lr": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True},
+                                               "drop_path": {"type": "float", "low": 0.0, "high": 0.3}},
+                           objectives=[{"metric": "val_top1", "direction": "maximize"},
+                                       {"metric": "images_per_sec", "direction": "maximize"}])
+    storage = sweep.open_storage(f"journal:{tmp_path / 'study.log'}", 30)
+    base = type("Base", (), {"max_steps": 100, "lr": 2e-3, "drop_path": 0.0})()
+    study = sweep.open_study(spec, storage, base)
+    [recipe] = study.trials  # the recipe's values, waiting: the first trial asked runs them
+    assert recipe.state.name == "WAITING" and recipe.system_attrs["fixed_params"] == {"lr": 2e-3, "drop_path": 0.0}
+    for i in range(6):
+        trial = study.ask()
+        values = sweep.suggest(trial, spec.space)
+        study.tell(trial, [0.9 - values["drop_path"], 100 * values["lr"] ** 0.1])
+    again = sweep.open_study(spec, sweep.open_storage(f"journal:{tmp_path / 'study.log'}", 30), base)
+    assert len(again.trials) == 6 and again.trials[0].params == {"lr": 2e-3, "drop_path": 0.0}
+    assert sweep.counted(again) == (6, 0, 0)
+    out = tmp_path / "out"
+    out.mkdir()
+    assert sorted(sweep.draw(again, spec, str(out))) == ["importances.png", "pareto.png"]
+    assert all((out / name).stat().st_size > 10_000 for name in ("importances.png", "pareto.png"))
+    single = sweep.StudySpec(name="one", space=spec.space)
+    one = optuna.create_study(direction="maximize")
+    for i in range(3):
+        trial = one.ask()
+        one.tell(trial, sweep.suggest(trial, single.space)["lr"])
+    assert sorted(sweep.draw(one, single, str(out))) == ["history.png", "importances.png"]
