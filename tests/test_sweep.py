@@ -66,6 +66,23 @@ def jobs_of(folder) -> list:
 
 
 # ---------------------------------------------------------------------------------------------------- bad input
+def main_in_process(args, capsys, monkeypatch) -> tuple[int, list]:
+    """sweep.main in this process, the code a launch of sweep.py runs: (exit code, non-blank stderr lines)."""
+    import sweep
+
+    monkeypatch.chdir(REPO)
+    capsys.readouterr()
+    handler = signal.getsignal(signal.SIGTERM)  # main() installs its own
+    try:
+        sweep.main([str(a) for a in args])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    return code, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+
+
 @pytest.mark.parametrize("keys, message", [
     ({"space": {"learning_rate": {"type": "float", "low": 1e-4, "high": 1e-2}}},
      "space key 'learning_rate' is not a train.py key"),
@@ -79,22 +96,21 @@ def jobs_of(folder) -> list:
                      {"metric": "images_per_sec", "direction": "maximize"}], "pruner": "median"},
      "Optuna prunes single-objective studies only"),
 ])
-def test_a_bad_study_is_one_line_and_no_trial(digits, tmp_path, keys, message):
+def test_a_bad_study_is_one_line_and_no_trial(digits, tmp_path, keys, message, capsys, monkeypatch):
     study = write_study(tmp_path / "study.yaml", digits, **keys)
-    proc = sweep("--study", study, "--output_dir", tmp_path / "out", check=False)
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
+    code, lines = main_in_process(["--study", study, "--output_dir", tmp_path / "out"], capsys, monkeypatch)
+    assert code == 2 and len(lines) == 1 and message in lines[0], lines
     assert not (tmp_path / "out").exists()
 
 
-def test_a_storage_that_does_not_answer_is_one_line(digits, tmp_path):
+def test_a_storage_that_does_not_answer_is_one_line(digits, tmp_path, capsys, monkeypatch):
     study = write_study(tmp_path / "study.yaml", digits)
     url = f"postgresql://sweeper:secret@127.0.0.1:{free_port()}/sweeps"
-    proc = sweep("--study", study, "--output_dir", tmp_path / "out", "--storage", url, check=False, timeout=120)
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    code, lines = main_in_process(["--study", study, "--output_dir", tmp_path / "out", "--storage", url], capsys,
+                                  monkeypatch)
+    assert code == 2 and len(lines) == 1, lines
     assert lines[0].startswith("error: storage postgresql://sweeper:***@127.0.0.1") and "does not answer" in lines[0]
-    assert "secret" not in proc.stderr and not glob.glob(str(tmp_path / "out" / "trials" / "*"))
+    assert "secret" not in lines[0] and not (tmp_path / "out").exists()
 
 
 # ---------------------------------------------------------------------------------------------------- a study
@@ -133,6 +149,8 @@ def test_a_pruned_study_on_the_digits(digits, tmp_path):
     assert parse(["--config", str(out / "best.yaml")]).max_steps == 20  # a recipe train.py reads
 
 
+# slow (~20 s): two more launches; the default run's pruned study checks a trial's launch, end and record
+@pytest.mark.slow
 def test_a_failing_and_an_infeasible_trial_are_recorded_and_the_study_goes_on(digits, tmp_path):
     """A trial whose job fails (a non-finite loss at lr 1e9: train.py's exit 5) is FAIL with its error line; one
     the planner predicts does not fit is FAIL as infeasible, never launched; the recipe's trial completes."""
