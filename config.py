@@ -47,6 +47,7 @@ class Config:
     # parallelism and precision
     engine: str = "deepspeed"  # deepspeed (ZeRO, ds_config) | fsdp2 (PyTorch's fully_shard per block; engine/fsdp2.py)
     zero_stage: int = 2  # DeepSpeed ZeRO stage: 1 (optimizer states), 2 (+gradients), 3 (+parameters); fsdp2: 3 reshards each block's weights after its forward, 1 and 2 keep them to the backward
+    replicate_degree: int = 1  # fsdp2: HSDP, the ranks form this many replicas of the model, each sharded over world size / replicate_degree ranks (set it to the number of nodes: shard within a node, replicate across; ZeRO++'s hierarchical partitioning's analogue); 1 = one shard group of every rank
     tp_size: int = 1  # tensor parallelism: ranks of a node that split each block's matrices (DeepSpeed AutoTP); data parallelism and ZeRO run over world size / tp_size
     ds_config: str = ""  # DeepSpeed JSON template; "" = ds_configs/zero{zero_stage}.json. Its "auto" fields come from this config
     dist_timeout: float = 1800.0  # seconds a rank waits for the master's address, for the other ranks, and in any collective
@@ -299,6 +300,9 @@ def _check(cfg: Config):
         raise ConfigError("export_ema needs an EMA of the weights: set ema_decay (e.g. 0.9999)")
     if cfg.engine == "fsdp2":
         _check_fsdp2(cfg)
+    elif cfg.replicate_degree != 1:
+        raise ConfigError(f"replicate_degree {cfg.replicate_degree} is FSDP2's HSDP (engine fsdp2); DeepSpeed's "
+                          f"analogue is ZeRO++'s hierarchical partitioning (zero_hpz_partition_size in a ds_config)")
     if cfg.lr <= 0:
         raise ConfigError(f"config key 'lr' must be positive, got {cfg.lr}")
     _check_report_to(cfg.report_to)
@@ -324,6 +328,7 @@ def _check_fsdp2(cfg: Config):
         "optimizer": (cfg.optimizer == "muon", "Muon is DeepSpeed's here; use engine deepspeed or optimizer adamw"),
         "ds_config": (bool(cfg.ds_config), "a DeepSpeed JSON (ZeRO++, offload, DeepCompile) configures DeepSpeed "
                                            "only; use engine deepspeed or leave ds_config empty"),
+        "replicate_degree": (cfg.replicate_degree < 1, "it must be at least 1 (1 = no replicas)"),
         "precision": (cfg.precision == "fp16", "fp16 needs a loss scaler, which this FSDP2 engine does not run; "
                                                "use bf16 or engine deepspeed"),
     }

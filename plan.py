@@ -92,7 +92,8 @@ def sharding(e: dict) -> str:
     """A configuration's engine and sharding in words: ZeRO-3, ZeRO-3++ (ZeRO++), ZeRO-3 off (offload), FSDP2 with or
     without resharding after the forward."""
     if e.get("engine") == "fsdp2":
-        return f"FSDP2 {'reshard' if e['zero_stage'] == 3 else 'keep'}"
+        hsdp = f" HSDP{r}" if (r := e.get("replicate_degree", 1)) > 1 else ""
+        return f"FSDP2{hsdp} {'reshard' if e['zero_stage'] == 3 else 'keep'}"
     return f"ZeRO-{e['zero_stage']}{variant(e)}"
 
 
@@ -224,7 +225,7 @@ def draw(estimates: list, path: str, title: str):
 
     parts = list(estimates[0]["memory"])
     fig, ax = plt.subplots(figsize=(max(7.0, 1.1 * len(estimates) + 1.5), 5.5))
-    labels = [f"Z{e['zero_stage']}{'++' if e['zeropp'] else ''}{f' TP{t}' if (t := e['tp_size']) > 1 else ''} "
+    labels = [f"{sharding(e)}{f' TP{t}' if (t := e['tp_size']) > 1 else ''} "
               f"mb{e['micro_batch_size']}x{e['grad_accum_steps']}\n{e['ac']}" for e in estimates]
     bottom = [0.0] * len(estimates)
     for part in parts:
@@ -254,7 +255,7 @@ def write_plan(best: dict, cfg, ds_config: dict, out: str, a):
     with open(os.path.join(out, "config.yaml"), "w") as f:
         f.write(f"# plan.py's best configuration for {a.world_size} x {best['device']} (plan.json: the estimate).\n"
                 f"# Add train_shards, val_shards, output_dir and the schedule (lr, max_steps, ...) of your run.\n")
-        planned = {"model", "num_labels", "image_size", "precision", "engine", "zero_stage", "tp_size",
+        planned = {"model", "num_labels", "image_size", "precision", "engine", "zero_stage", "replicate_degree", "tp_size",
                    "micro_batch_size", "grad_accum_steps", "ac"}  # written even where they equal today's defaults
         yaml.safe_dump({k: v for k, v in to_dict(cfg).items() if v != defaults[k] or k in planned}, f, sort_keys=False)
     fsdp2 = cfg.engine == "fsdp2"
@@ -412,6 +413,7 @@ def main(argv=None):
                                                f"{a.global_batch}: the {min(a.top, len(found))} fastest that fit")
             if a.out:
                 chosen = replace(cfg, engine=best["engine"], zero_stage=best["zero_stage"], tp_size=best["tp_size"],
+                                 replicate_degree=best["replicate_degree"],
                                  micro_batch_size=best["micro_batch_size"],
                                  grad_accum_steps=best["grad_accum_steps"], ac=best["ac"], precision=precision,
                                  ds_config=best["ds_config_template"])

@@ -86,6 +86,9 @@ class Checked:
 
 def check_run(cfg: Config, world_size: int, rank: int) -> Checked:
     """Every check on the input that can fail, before anything is written or any process group forms."""
+    if world_size % cfg.replicate_degree:
+        raise ConfigError(f"replicate_degree {cfg.replicate_degree} does not divide the world size ({world_size}): "
+                          f"HSDP's replicas each shard the model over the same number of ranks")
     synthetic = cfg.data_mode == "synthetic"  # no shards read (data/synthetic.py)
     train_sources = [] if synthetic else parse_spec(cfg.train_shards, "train_shards")
     val_sources = [] if synthetic else parse_spec(cfg.val_shards, "val_shards")
@@ -340,6 +343,10 @@ def open_log(run: Run, model: Model, start: Start, data: Data) -> RunLog:
     if run.rank == 0:
         if cfg.engine == "fsdp2":
             sharding = f"FSDP2 ({'resharded' if cfg.zero_stage == 3 else 'kept'} after forward)"
+            if cfg.replicate_degree > 1:
+                shards = world_size // cfg.replicate_degree
+                sharding = (f"HSDP ({cfg.replicate_degree} replicas x {shards} shard{'s' if shards > 1 else ''}, "
+                            f"{'resharded' if cfg.zero_stage == 3 else 'kept'} after forward)")
         else:
             hpz = compat.zero3_hpz_ranks(model.engine.module) if cfg.zero_stage == 3 else 1
             sharding = f"ZeRO-{cfg.zero_stage}" + (f" (hpZ over {hpz} ranks)" if hpz > 1 else "")

@@ -276,6 +276,17 @@ def param_shape(p: torch.nn.Parameter) -> torch.Size:
     return getattr(p, "ds_shape", None) or p.shape
 
 
+def shard_dim(p) -> int:
+    """The device-mesh dimension an FSDP2 parameter (a DTensor) is sharded along (HSDP's 2-D mesh: the last)."""
+    return next(i for i, placement in enumerate(p.placements) if placement.is_shard())
+
+
+def is_first_replica(p) -> bool:
+    """Does this rank hold an FSDP2 parameter's first replica (always, without HSDP)?"""
+    return all(p.device_mesh.get_local_rank(i) == 0 for i, placement in enumerate(p.placements)
+               if placement.is_replicate())
+
+
 def local_weights(p: torch.nn.Parameter) -> tuple[torch.Tensor, int]:
     """(the part of a parameter this rank holds, the index of its first element in the flattened parameter):
     under ZeRO-3 its partition (flat, zero-padded at the end of the last rank's); under FSDP2 its dim-0 shard
@@ -284,9 +295,9 @@ def local_weights(p: torch.nn.Parameter) -> tuple[torch.Tensor, int]:
     if is_dtensor(p):
         local = p._local_tensor
         rows = p.shape[0]
-        mesh = p.device_mesh
-        per_rank = -(-rows // mesh.size())  # FSDP2 shards dim 0 as torch.chunk: ceil(rows / ranks) each
-        first_row = min(mesh.get_local_rank() * per_rank, rows)
+        mesh, dim = p.device_mesh, shard_dim(p)  # HSDP: replicated along the mesh's first dim, sharded along its last
+        per_rank = -(-rows // mesh.size(dim))  # FSDP2 shards dim 0 as torch.chunk: ceil(rows / ranks) each
+        first_row = min(mesh.get_local_rank(dim) * per_rank, rows)
         return local, first_row * (p.numel() // rows if rows else 0)
     if getattr(p, "ds_tensor", None) is None:
         return p.data, 0

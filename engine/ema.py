@@ -4,9 +4,9 @@ Each rank averages the part of every parameter it holds (`compat.local_weights`)
 so no rank holds a whole extra copy of the model; under ZeRO-1/2, where every rank holds the whole weights, the
 whole tensors. The average is kept in fp32 whatever the training precision.
 
-A checkpoint holds it as `ema/rank<NNNNN>.pt`, one file per rank under ZeRO-3 and rank 0's alone otherwise; each
-file records where its pieces sit in the flattened parameters, so that a run on another number of ranks or
-another ZeRO stage reassembles its own parts from them.
+A checkpoint holds it as `ema/rank<NNNNN>.pt`, one file per rank under ZeRO-3 and FSDP2 (HSDP: the first replica's
+ranks), rank 0's alone otherwise; each file records where its pieces sit in the flattened parameters, so that a run
+on another number of ranks or another ZeRO stage reassembles its own parts from them.
 """
 import contextlib
 import os
@@ -53,6 +53,9 @@ class EMA:
         """This rank's part into `checkpoint_dir/ema/` (every rank calls it)."""
         rank = dist.get_rank()
         if not self.partitioned and rank != 0:
+            return
+        # HSDP: the first replica's ranks hold every part once
+        if self.partitioned and not all(compat.is_first_replica(p) for p in self.params.values() if compat.is_dtensor(p)):
             return
         out = os.path.join(checkpoint_dir, EMA_DIR)
         os.makedirs(out, exist_ok=True)

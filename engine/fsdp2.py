@@ -1,7 +1,9 @@
 """PyTorch FSDP2 as the trainer's second engine (`engine: fsdp2`), driven by train.py exactly as it drives DeepSpeed.
 
 FSDP2 as its users run it (torchtitan's order: checkpointing, compile, shard): `fully_shard` on every transformer
-block and on the root over a 1-D device mesh of every rank; `reshard_after_forward` from `zero_stage`
+block and on the root over a 1-D device mesh of every rank, or with `replicate_degree` R > 1 a 2-D mesh (R replicas x
+world/R shards: HSDP, gradients reduce-scattered within a shard group and all-reduced across the replicas, ZeRO++'s
+hierarchical partitioning's analogue with R = the number of nodes); `reshard_after_forward` from `zero_stage`
 (3: a block's weights are freed after its forward and gathered again for its backward, ZeRO-3's trade;
 1 and 2: kept to the backward); `MixedPrecisionPolicy` with bf16 weights and fp32 gradient reduction under bf16;
 torch's AdamW, fused on GPUs and foreach on CPU, the update DeepSpeed's side runs too (engine/ds_config.py).
@@ -35,20 +37,34 @@ ADAM_EPS = 1e-8
 def fsdp2_config(cfg: Config, precision: str, gpu: bool) -> dict:
     """What the FSDP2 engine is configured with (fsdp2_config.json in the run directory)."""
     return {"engine": "fsdp2", "reshard_after_forward": cfg.zero_stage == 3,
-            "mesh": "1-D over every rank", "param_dtype": precision, "reduce_dtype": "fp32",
+            "mesh": "1-D over every rank" if cfg.replicate_degree == 1 else
+            f"2-D: {cfg.replicate_degree} replicas x world/{cfg.replicate_degree} shards (HSDP)", "param_dtype": precision, "reduce_dtype": "fp32",
             "optimizer": {"type": "AdamW", "implementation": "fused" if gpu else "foreach", "lr": cfg.lr,
                           "betas": [cfg.beta1, cfg.beta2], "eps": ADAM_EPS, "weight_decay": cfg.weight_decay},
             "gradient_clipping": cfg.grad_clip, "gradient_accumulation_steps": cfg.grad_accum_steps,
             "train_micro_batch_size_per_gpu": cfg.micro_batch_size}
 
 
-def shard(model: torch.nn.Module, precision: str, device: torch.device, reshard: bool, compile_blocks: bool):
-    """`fully_shard` per block, then the root, in place, resharding after the forward or not; each block compiled
-    first with `compile_blocks`. The FSDP2 engine's wrapping, and the benchmark's plain FSDP2's."""
+def device_mesh(device_type: str, replicate: int = 1):
+    """Every rank in one shard group (1-D), or `replicate` groups of world/replicate ranks, each holding a replica
+    (2-D, dims 'replicate' and 'shard': HSDP). Consecutive ranks share a shard group: one node's, when
+    `replicate` is the number of nodes."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if replicate == 1:
+        return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+    return init_device_mesh(device_type, (replicate, world // replicate), mesh_dim_names=("replicate", "shard"))
+
+
+def shard(model: torch.nn.Module, precision: str, device: torch.device, reshard: bool, compile_blocks: bool,
+          replicate: int = 1):
+    """`fully_shard` per block, then the root, in place, resharding after the forward or not, over `device_mesh`;
+    each block compiled first with `compile_blocks`. The FSDP2 engine's wrapping, and the benchmark's plain
+    FSDP2's."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mesh = device_mesh(device.type, replicate)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" \
         else MixedPrecisionPolicy()
     if device.type == "cuda":
@@ -77,6 +93,9 @@ class FSDP2Engine:
         self.applied = True
         self.norm = None
         self.params = [p for p in module.parameters() if p.requires_grad]
+        # the norm sums each shard once: over the shard group, whose shards every replica holds alike
+        mesh = next(p.device_mesh for p in module.parameters() if compat.is_dtensor(p))
+        self.shard_group = mesh["shard"].get_group() if mesh.ndim == 2 else None
 
     # ------------------------------------------------------------------ the model
     def __call__(self, *args, **kwargs):
@@ -143,12 +162,13 @@ class FSDP2Engine:
 
     @torch.no_grad()
     def global_grad_norm(self) -> torch.Tensor:
-        """The L2 norm of every gradient, its squares summed in float64 across shards and ranks, rounded to fp32
-        once: the same value for any number of ranks (DeepSpeed's side does the same, engine/compat.py)."""
+        """The L2 norm of every gradient, its squares summed in float64 across the shards (of one replica under
+        HSDP), rounded to fp32 once: the same value for any number of ranks (DeepSpeed's side does the same,
+        engine/compat.py)."""
         local = [compat.local_tensor(p.grad) for p in self.params if p.grad is not None]
         norms = compat.foreach_norms_float64(local)
         total = torch.stack(norms).pow(2).sum() if norms else torch.zeros((), dtype=torch.float64, device=self.device)
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=self.shard_group)
         return total.sqrt().float()
 
     def was_step_applied(self) -> bool:

@@ -105,11 +105,13 @@ def build_fsdp2(model: torch.nn.Module, cfg: Config, world_size: int, device_typ
     precision, config = engine_config(cfg, width(model.config), world_size)
     n = sum(p.numel() for p in model.parameters())
     sizes = [sum(p.numel() for p in b.module.parameters()) for b in find_blocks(model)]
-    fixed = fsdp2_memory_bytes(n, n - sum(sizes), max(sizes), world_size, precision, reshard=cfg.zero_stage == 3,
+    shards = world_size // cfg.replicate_degree  # HSDP: a replica's shard group
+    fixed = fsdp2_memory_bytes(n, n - sum(sizes), max(sizes), shards, precision, reshard=cfg.zero_stage == 3,
                                fused_adamw=device_type == "cuda")
     ac_plan = apply_ac(model, cfg, fixed, precision, device_type, log)
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
-    shard(model, precision, device, reshard=cfg.zero_stage == 3, compile_blocks=cfg.compile)
+    shard(model, precision, device, reshard=cfg.zero_stage == 3, compile_blocks=cfg.compile,
+          replicate=cfg.replicate_degree)
     if cfg.compile:
         log("compile: each block is compiled in place by torch.compile before fully_shard; the first steps are "
             "slow while it compiles")

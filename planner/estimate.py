@@ -58,14 +58,21 @@ def comm_bytes(n_params: int, zero_stage: int, grad_accum: int, world_size: int,
 
 
 def fsdp2_comm_bytes(n_params: int, reshard: bool, grad_accum: int, world_size: int, ranks_per_node: int,
-                     weight_bytes: int) -> tuple[float, float]:
+                     weight_bytes: int, replicate: int = 1) -> tuple[float, float]:
     """comm_bytes for the FSDP2 engine (engine/fsdp2.py): each micro-batch all-gathers every weight in the compute
     dtype for its forward and, resharding, again for its backward; the gradients are reduce-scattered once a step
     in fp32 (micro-batches before the last accumulate without a reduction); ring collectives, (N-1)/N of each
-    tensor. One mesh over every rank: across nodes every collective crosses them."""
-    share = (world_size - 1) / world_size if world_size > 1 else 0.0
+    tensor. One mesh over every rank: across nodes every collective crosses them. HSDP (`replicate` > 1): the
+    gathers and the reduce-scatter run within a shard group of world/replicate ranks, and each rank's fp32
+    gradient shard is all-reduced across the replicas (2(R-1)/R of it), between nodes when a shard group is no
+    larger than a node."""
+    shards = world_size // replicate
+    share = (shards - 1) / shards if shards > 1 else 0.0
     total = ((2 if reshard else 1) * grad_accum * weight_bytes + 4) * n_params * share
-    return (0.0, total) if world_size > ranks_per_node else (total, 0.0)
+    across = 2 * (replicate - 1) / replicate * 4 * n_params / shards if replicate > 1 else 0.0
+    if shards > ranks_per_node:
+        return 0.0, total + across
+    return (total, across) if world_size > ranks_per_node else (total + across, 0.0)
 
 
 def tp_allreduce_bytes(prof, plan, tp_size: int) -> float:
@@ -109,7 +116,7 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
     data_ranks = world_size // tp  # ZeRO's partitions and the data-parallel collectives: over these
     if cfg.engine == "fsdp2":  # its shards, unsharded weights and AdamW (engine/memory.py)
         outside = n_params - sum(p.params for p in prof)  # the root's parameters: the stem, the final norm, the head
-        memory_args = (n_params, outside, largest, data_ranks, precision, cfg.zero_stage == 3, target(device) != "cpu",
+        memory_args = (n_params, outside, largest, data_ranks // cfg.replicate_degree, precision, cfg.zero_stage == 3, target(device) != "cpu",
                        cfg.grad_accum_steps)
         parts, fixed = fsdp2_memory_parts(*memory_args), fsdp2_memory_bytes(*memory_args)
     else:
@@ -127,7 +134,8 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
     rerun = sum(p.cheap_elems if how in ("full", "selective") else p.light_elems if how == "light" else 0
                 for p, how in zip(prof, plan))
     moved = 3 * prof.moved_bytes + 3 * rerun * weight_bytes
-    optimizer_moved = OPTIMIZER_BYTES_PER_PARAM * n_params / data_ranks if not offloaded(cfg.zero_stage, ds_config)[0] \
+    holders = data_ranks // cfg.replicate_degree if cfg.engine == "fsdp2" else data_ranks  # ranks sharing AdamW
+    optimizer_moved = OPTIMIZER_BYTES_PER_PARAM * n_params / holders if not offloaded(cfg.zero_stage, ds_config)[0] \
         else 0
     bandwidth = device.mem_gbs * 1e9 * mbu
     flop_rate, model_bandwidth = (rates["flops_per_s"], rates["bytes_per_s"]) if rates else (device.flops * mfu,
@@ -158,7 +166,7 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
     zero = ds_config.get("zero_optimization", {})
     if cfg.engine == "fsdp2":
         intra, inter = fsdp2_comm_bytes(n_params, cfg.zero_stage == 3, cfg.grad_accum_steps, data_ranks,
-                                        ranks_per_node, weight_bytes)
+                                        ranks_per_node, weight_bytes, cfg.replicate_degree)
     else:
         intra, inter = comm_bytes(n_params, cfg.zero_stage, cfg.grad_accum_steps, data_ranks,
                                   max(1, ranks_per_node // tp), weight_bytes, zero)
@@ -185,6 +193,7 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
     return {
         "model": cfg.model, "params": n_params, "largest_block_params": largest, "image_size": cfg.image_size,
         "engine": cfg.engine, "precision": precision, "zero_stage": cfg.zero_stage,
+        "replicate_degree": cfg.replicate_degree,
         "micro_batch_size": cfg.micro_batch_size,
         "grad_accum_steps": cfg.grad_accum_steps, "ac": cfg.ac, "plan": {h: plan.count(h) for h in set(plan)},
         "world_size": world_size, "ranks_per_node": ranks_per_node, "device": device.name, "tp_size": tp,

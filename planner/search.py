@@ -60,19 +60,24 @@ def search(cfg: Config, ds_config_for, precision: str, world_size: int, ranks_pe
         # ZeRO-3 with the optimizer and the weights offloaded to host memory (ds_configs/zero3_offload.json).
         # Under tensor parallelism ZeRO 1 to 3 only, as tested
         # and FSDP2, resharding after the forward (ZeRO-3's trade) or not, where it runs: without tensor
-        # parallelism and without a DeepSpeed template
-        variants = [("deepspeed", 1, ""), ("deepspeed", 2, ""), ("deepspeed", 3, "")] + (
-            [("deepspeed", 3, OFFLOAD_TEMPLATE)] + (
-                [("deepspeed", 3, ZEROPP_TEMPLATE)] if world_size > ranks_per_node else []) +
-            [("fsdp2", 3, ""), ("fsdp2", 2, "")] if size == 1 else [])
+        # parallelism and without a DeepSpeed template; across nodes also HSDP (a replica per node, ZeRO++'s
+        # hierarchical partitioning's analogue)
+        nodes = world_size // ranks_per_node if world_size > ranks_per_node and world_size % ranks_per_node == 0 \
+            else 1
+        variants = [("deepspeed", 1, "", 1), ("deepspeed", 2, "", 1), ("deepspeed", 3, "", 1)] + (
+            [("deepspeed", 3, OFFLOAD_TEMPLATE, 1)] + (
+                [("deepspeed", 3, ZEROPP_TEMPLATE, 1)] if world_size > ranks_per_node else []) +
+            [("fsdp2", 3, "", 1), ("fsdp2", 2, "", 1)] +
+            ([("fsdp2", 3, "", nodes), ("fsdp2", 2, "", nodes)] if nodes > 1 else []) if size == 1 else [])
         if engines:
             variants = [v for v in variants if v[0] in engines]
-        for engine, stage, template in variants:
+        for engine, stage, template, replicate in variants:
             for micro in micro_batches:
                 scaled = (base[0].scaled(micro / PROFILE_BATCH), *base[1:])
                 for ac in policies:
                     candidate = replace(cfg, engine=engine, zero_stage=stage, micro_batch_size=micro, tp_size=size,
-                                        grad_accum_steps=per_rank // micro, ac=ac, ds_config=template)
+                                        grad_accum_steps=per_rank // micro, ac=ac, ds_config=template,
+                                        replicate_degree=replicate)
                     est = estimate(candidate, ds_config_for(candidate), precision, world_size, ranks_per_node,
                                    device, mfu, overlap, scaled, mbu, rates)
                     if est["fits"]:

@@ -36,7 +36,7 @@ def test_fsdp2_steps_as_deepspeed_does(debug_args, tmp_path, extra):
 def test_fsdp2_resumes_exactly_on_any_number_of_ranks(debug_args, tmp_path):
     """ZeRO-3's analogue (resharding after forward) with an EMA: a resume from the step-5 DCP checkpoint on 2
     ranks and on 1 rank accumulating 2 micro-batches continues the run bitwise (losses, exported weights), and the
-    export equals the checkpoint's weights bitwise."""
+    export equals the checkpoint's weights bitwise; HSDP's 2-D mesh too (below)."""
     args = debug_args + ["--model", "vit-debug", "--engine", "fsdp2", "--zero_stage", "3", "--max_steps", "10",
                          "--save_every", "5", "--eval_every", "0", "--ema_decay", "0.9"]
     full = tmp_path / "full"
@@ -52,6 +52,20 @@ def test_fsdp2_resumes_exactly_on_any_number_of_ranks(debug_args, tmp_path):
         resumed = load_file(out / "hf_model" / "model.safetensors")
         for key, value in load_file(full / "hf_model" / "model.safetensors").items():
             assert resumed[key].equal(value), (name, key)
+    # HSDP on 2 ranks (2 replicas of 1 shard: the gradients all-reduced across the replicas, the norm summed within
+    # a replica) takes the same steps bitwise, and its checkpoint (each shard once, the EMA from the first replica)
+    # resumes on 1 rank of the 1-D mesh bitwise
+    hsdp = tmp_path / "hsdp"
+    proc = launch(args + ["--replicate_degree", "2", "--output_dir", hsdp])
+    assert "HSDP (2 replicas x 1 shard, resharded after forward)" in proc.stdout
+    assert {r["step"]: r["loss"] for r in read_metrics(hsdp)} == expected
+    assert sorted(p.name for p in (hsdp / "checkpoints" / "step0000005" / "ema").iterdir()) == ["rank00000.pt"]
+    out = tmp_path / "hsdp-to-one"
+    launch(args + ["--grad_accum_steps", "2", "--output_dir", out, "--resume", hsdp / "checkpoints" / "step0000005"],
+           nproc=1)
+    assert {r["step"]: r["loss"] for r in read_metrics(out)} == {s: expected[s] for s in range(6, 11)}
+    resumed = load_file(out / "hf_model" / "model.safetensors")
+    assert all(resumed[k].equal(v) for k, v in load_file(full / "hf_model" / "model.safetensors").items())
     # the export is the weights of the last checkpoint, read from DCP's files (in the model's own parameter names,
     # which save_pretrained writes as the checkpoint format's)
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -81,6 +95,9 @@ def test_a_checkpoint_of_the_other_engine_is_one_line(debug_args, tmp_path):
     (["--ds_config", "ds_configs/zero3.json"], "engine fsdp2 with ds_config ds_configs/zero3.json"),
     (["--precision", "fp16"], "engine fsdp2 with precision fp16"),
     (["--engine", "megatron"], "engine"),
+    (["--replicate_degree", "0"], "engine fsdp2 with replicate_degree 0: it must be at least 1"),
+    (["--replicate_degree", "2"], "replicate_degree 2 does not divide the world size (1)"),
+    (["--engine", "deepspeed", "--replicate_degree", "2"], "replicate_degree 2 is FSDP2's HSDP (engine fsdp2)"),
 ])
 def test_what_fsdp2_does_not_do_is_one_line(extra, says, capsys, monkeypatch, tmp_path):
     code, err = check_input(["--engine", "fsdp2", *extra, "--output_dir", tmp_path / "run"], capsys, monkeypatch)

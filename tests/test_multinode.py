@@ -151,6 +151,26 @@ def test_zeropp_hierarchical_partitioning_on_two_nodes_of_two_ranks(debug_args, 
                                [r["loss"] for r in read_metrics(tmp_path / "plain")], rtol=1e-5)
 
 
+@pytest.mark.slow  # two 2-rank loopback nodes and two references, about a minute on 2 cores
+def test_fsdp2_hsdp_on_two_nodes_of_two_ranks(debug_args, tmp_path):
+    """FSDP2's HSDP (replicate_degree 2: each node's 2 ranks shard a replica, the replicas all-reduce) on 2
+    torchrun nodes of 2 ranks: the losses of the 1-D mesh on 2 ranks accumulating 2 micro-batches (the same
+    samples per step) within fp32 reduction order, and its checkpoint resumes on that 1-D mesh."""
+    args = debug_args + ["--model", "vit-debug", "--engine", "fsdp2", "--zero_stage", 3, "--max_steps", 8,
+                         "--eval_every", 0, "--save_every", 4, "--ema_decay", 0.9]
+    port = free_port()
+    outs = run_nodes([torchrun_node(r, port, args + ["--replicate_degree", 2, "--output_dir", tmp_path / "hsdp"],
+                                    ranks=2) for r in (0, 1)])
+    assert "HSDP (2 replicas x 2 shards, resharded after forward)" in outs[0]
+    assert "world size 4 (2 node(s) x 2" in outs[0]
+    launch(args + ["--grad_accum_steps", 2, "--output_dir", tmp_path / "flat"])
+    flat = [r["loss"] for r in read_metrics(tmp_path / "flat")]
+    np.testing.assert_allclose([r["loss"] for r in read_metrics(tmp_path / "hsdp")], flat, rtol=1e-5)
+    launch(args + ["--grad_accum_steps", 2, "--output_dir", tmp_path / "resumed", "--resume",
+                   tmp_path / "hsdp" / "checkpoints" / "step0000004"])
+    np.testing.assert_allclose([r["loss"] for r in read_metrics(tmp_path / "resumed")], flat[4:], rtol=1e-5)
+
+
 def test_a_master_port_in_use_is_one_error_naming_it(debug_args, tmp_path):
     """Rank 0 of 2 whose MASTER_PORT another process holds: one line naming the address and the port in use, not
     the dist_timeout it did not wait out, and exit 2 with nothing written."""
