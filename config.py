@@ -79,6 +79,7 @@ class Config:
     seed: int = 0  # seeds the initial weights (per module, the same for any world size) and the data order
     keep_last: int = 3  # complete checkpoints kept, newest first; 0 = all
     keep_best: bool = True  # also keep the checkpoint with the best evaluation (val top-1; pretraining: val loss) among those that save and evaluate
+    async_save: bool = False  # fsdp2: checkpoints copied to host memory, then written by a background thread while training goes on (DCP's async_save; committed when the next save starts); the last one and a preemption's are written before going on
     min_free_gb: float = 0.0  # skip a checkpoint (with a warning, training goes on) that would leave less free disk than this
     preempt_grace: float = 25.0  # seconds from SIGTERM/SIGUSR1 to exit: the step finishes and a checkpoint is written (launchers kill at 30)
     resume: str = ""  # "" = fresh run, "latest" = newest checkpoint in output_dir, or a checkpoint directory
@@ -300,7 +301,10 @@ def _check(cfg: Config):
         raise ConfigError("export_ema needs an EMA of the weights: set ema_decay (e.g. 0.9999)")
     if cfg.engine == "fsdp2":
         _check_fsdp2(cfg)
-    elif cfg.replicate_degree != 1:
+    elif cfg.async_save:
+        raise ConfigError("async_save is the FSDP2 engine's (DCP's async_save); DeepSpeed's engine writes its "
+                          "checkpoints in the foreground here: use engine fsdp2 or async_save false")
+    if cfg.engine != "fsdp2" and cfg.replicate_degree != 1:
         raise ConfigError(f"replicate_degree {cfg.replicate_degree} is FSDP2's HSDP (engine fsdp2); DeepSpeed's "
                           f"analogue is ZeRO++'s hierarchical partitioning (zero_hpz_partition_size in a ds_config)")
     if cfg.lr <= 0:

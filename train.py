@@ -414,6 +414,7 @@ class Trained:
     bad_total: int = 0
     data_skipped: int = 0  # samples skipped and padded by the loaders of every rank
     data_padded: int = 0
+    checkpoint_seconds: float = 0.0  # what the checkpoints cost the loop (with async_save: the copies and commits)
 
 
 def train(run: Run, model: Model, start: Start, data: Data, log: RunLog) -> Trained:
@@ -456,7 +457,11 @@ def train(run: Run, model: Model, start: Start, data: Data, log: RunLog) -> Trai
         log_steps(run, model, data, ema, trained, closed, log, evaluate_last=evaluating and not closed.preempted)
         if closed.preempted or saving:
             score = trained.result.score if evaluating and not closed.preempted else None
-            saved = save_checkpoint(run, model, data, ema, step, score, log)
+            # the last checkpoint and a preemption's are on disk before going on; others may write in the background
+            began = time.perf_counter()
+            saved = save_checkpoint(run, model, data, ema, step, score, log,
+                                    wait=step == cfg.max_steps or closed.preempted)
+            trained.checkpoint_seconds += time.perf_counter() - began
         if closed.preempted:
             log.close("KILLED")
             if run.rank == 0:
@@ -525,9 +530,11 @@ def evaluate_now(run: Run, model: Model, data: Data, ema: EMA | None, trained: T
             trained.ema_result = evaluate(model.engine, data.val_batches(), *args)
 
 
-def save_checkpoint(run: Run, model: Model, data: Data, ema: EMA | None, step: int, val_score, log: RunLog) -> bool:
+def save_checkpoint(run: Run, model: Model, data: Data, ema: EMA | None, step: int, val_score, log: RunLog,
+                    wait: bool = True) -> bool:
     """Every rank's part of checkpoint `step`, with the data position of every rank and worker; `val_score`: the
-    evaluation's score at this step (higher is better: keep_best), or None."""
+    evaluation's score at this step (higher is better: keep_best), or None. `wait` False: written in the
+    background where the engine can (async_save)."""
     cfg = run.cfg
     run.heartbeat.beat(f"step {step}, saving")
     positions = [None] * run.world_size
@@ -539,7 +546,8 @@ def save_checkpoint(run: Run, model: Model, data: Data, ema: EMA | None, step: i
     # Adam's two moments (later checks use the newest checkpoint's real size)
     estimate = model.n_params * (model.dtype.itemsize + 12)
     return save(model.engine, run.ckpt_dir, step, state, keep_last=cfg.keep_last, keep_best=cfg.keep_best,
-                min_free_gb=cfg.min_free_gb, estimate_bytes=estimate, log=log.write, also=ema.save if ema else None)
+                min_free_gb=cfg.min_free_gb, estimate_bytes=estimate, log=log.write, also=ema.save if ema else None,
+                wait=wait)
 
 
 # ---------------------------------------------------------------------------------------------------- export
@@ -563,6 +571,7 @@ def finish(run: Run, model: Model, start: Start, trained: Trained, log: RunLog):
                **{f"val_ema_{k}": v for k, v in (ema_result.metrics if ema_result else {}).items()},
                "images_per_sec": trained.timed_images / seconds if seconds else None,
                "steps_this_launch": cfg.max_steps - start.step, "seconds_this_launch": round(elapsed, 1),
+               "checkpoint_seconds_this_launch": round(trained.checkpoint_seconds, 3),
                "hf_model": hf_dir, **({"encoder": encoder_dir} if encoder_dir else {}),
                "hf_model_weights": "ema" if cfg.export_ema else "live", "labels": log.labels,
                # a classifier's: rows true, columns predicted

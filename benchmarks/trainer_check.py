@@ -4,8 +4,9 @@ suites report.
     .venv/bin/python -m benchmarks.trainer_check                 # ~35 min on 2 cores (needs `make data`)
     .venv/bin/python -m benchmarks.trainer_check --report_only   # report.md from runs.jsonl
     .venv/bin/python -m benchmarks.trainer_check --smoke --out /tmp/t   # vit-debug, 1 repeat: the harness (~1 min)
+    .venv/bin/python -m benchmarks.trainer_check --configs "FSDP2 (resharding) + none" --out benchmarks/results/trainer-fsdp2
 
-Both run ViT-S/8 at 64x64, 32 images per rank and step, ZeRO-2, on 2 ranks of one thread each, in alternating
+Both run ViT-S/8 at 64x64, 32 images per rank and step, ZeRO-2 (or a configuration of CONFIGS), on 2 ranks of one thread each, in alternating
 order, 5 repeats. train.py trains on the digits shards through its own loader (decoding and augmentation in its
 loader worker), logs every `log_every` steps and neither evaluates nor saves before its last step; its images/s
 is its summary's, over the steps after warm-up. The worker trains on random images already in memory, over its
@@ -25,29 +26,31 @@ import tempfile
 from tqdm import tqdm
 
 from benchmarks.measure import CPU_ALLOCATOR_ENV, REPO, environment, gemm_gflops
-from benchmarks.report import fmt_ratio, paired_ratio
+from benchmarks.report import both, fmt_ratio, judged, paired_ratio, render
 from benchmarks.train_bench import run_worker
 from engine.distributed import free_port
 
 OUT = os.path.join(REPO, "benchmarks", "results", "trainer")
 RANKS, THREADS = 2, 1
 LOG_EVERY = 4
-CONFIGS = {"ZeRO-2 + none": dict(zero=2, ac="none"), "ZeRO-3 + selective": dict(zero=3, ac="selective")}
+CONFIGS = {"ZeRO-2 + none": dict(engine="deepspeed", zero=2, ac="none"),
+           "ZeRO-3 + selective": dict(engine="deepspeed", zero=3, ac="selective"),
+           "FSDP2 (resharding) + none": dict(engine="fsdp2", zero=3, ac="none")}
 TARGET = 0.05
 # train.py times the steps after its first two (warm-up and profiled)
 FULL = dict(shape=dict(model="vit-small", image_size=64, patch_size=8, micro_batch_size=32), steps=16, repeats=5)
 SMOKE = dict(shape=dict(model="vit-debug", image_size=16, patch_size=0, micro_batch_size=8), steps=6, repeats=1)
 
 
-def run_trainer(shape: dict, steps: int, zero: int, ac: str, timeout_s: int = 900) -> dict:
+def run_trainer(shape: dict, steps: int, engine: str, zero: int, ac: str, timeout_s: int = 900) -> dict:
     """train.py under torchrun on the digits shards: its summary, and the mean share of its steps spent waiting
     for data (metrics.jsonl)."""
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", str(RANKS),
                "--master_port", str(free_port()), "train.py", "--config", "configs/digits-vit.yaml",
                "--model", shape["model"], "--image_size", str(shape["image_size"]), "--patch_size",
-               str(shape["patch_size"]), "--micro_batch_size", str(shape["micro_batch_size"]), "--zero_stage",
-               str(zero), "--ac", ac, "--max_steps", str(steps), "--log_every", str(LOG_EVERY), "--eval_every", "0",
+               str(shape["patch_size"]), "--micro_batch_size", str(shape["micro_batch_size"]), "--engine", engine,
+               "--zero_stage", str(zero), "--ac", ac, "--max_steps", str(steps), "--log_every", str(LOG_EVERY), "--eval_every", "0",
                "--save_every", "0", "--output_dir", tmp]
         env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), PYTHONWARNINGS="ignore", **CPU_ALLOCATOR_ENV)
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -71,9 +74,10 @@ def measure(out_dir: str, plan: dict) -> list:
             for name, side in (jobs if repeat % 2 == 0 else jobs[::-1]):
                 config = CONFIGS[name]
                 if side == "train.py":
-                    r = run_trainer(plan["shape"], plan["steps"], config["zero"], config["ac"])
+                    r = run_trainer(plan["shape"], plan["steps"], **config)
                 else:
-                    spec = dict(engine="deepspeed", **plan["shape"], **config, grad_accum_steps=1, profiled_steps=1,
+                    spec = dict(**plan["shape"], **config, reshard=config["zero"] == 3, grad_accum_steps=1,
+                                profiled_steps=1,
                                 warmup_steps=1, timed_steps=plan["steps"] - 2, count_flops=False)
                     r, _ = run_worker(spec, RANKS, THREADS, 900)
                 r = {"config": name, "side": side, "repeat": repeat, **{k: r[k] for k in r if k in (
@@ -107,8 +111,8 @@ def write_report(out_dir: str, results: list, env: dict, plan: dict):
         ratio = paired_ratio(of["train.py"], of["worker"])
         wait = [r["data_wait_frac"] for r in results if r["config"] == name and r["side"] == "train.py"
                 and "error" not in r]
-        verdict = "-" if ratio is None else ("yes" if 1 - TARGET <= ratio[1] and ratio[2] <= 1 + TARGET else
-                                             "no" if ratio[2] < 1 - TARGET or ratio[1] > 1 + TARGET else "undecided")
+        # within 5% both ways: the interval's two ends against 1 - 5% and 1 + 5%
+        verdict = render(both(judged(ratio, 1 - TARGET, at_least=True), judged(ratio, 1 + TARGET, at_least=False)))
         lines.append(f"| {name} | {statistics.median(of['train.py'].values() or [math.nan]):.2f} | "
                      f"{statistics.median(of['worker'].values() or [math.nan]):.2f} | {fmt_ratio(ratio)} | "
                      f"{sum(wait) / max(len(wait), 1):.1%} | {verdict} |")

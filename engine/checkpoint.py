@@ -248,12 +248,18 @@ def space_verdict(ckpt_dir: str, estimate_bytes: int, min_free_gb: float) -> str
 
 
 def save(engine, ckpt_dir: str, step: int, state: dict, *, keep_last: int, keep_best: bool, min_free_gb: float,
-         estimate_bytes: int, log=print, also=None) -> bool:
+         estimate_bytes: int, log=print, also=None, wait: bool = True) -> bool:
     """Write checkpoint `step<step>` atomically (see the module's docstring) on every rank; False, with a line
     saying why, when the disk cannot hold it (checked before writing) or a rank's write fails: training goes on.
-    `state`: train_state.json's contents. `also(directory)`: what each rank adds to the checkpoint (the EMA)."""
+    `state`: train_state.json's contents. `also(directory)`: what each rank adds to the checkpoint (the EMA).
+
+    An engine that writes in the background (FSDP2 with `async_save`) and `wait` False: the weights are copied
+    to host memory and written by a thread while training goes on; the checkpoint is committed (the same
+    checks, train_state.json, the rename, `latest`, pruning) by `commit_pending`, which the next save calls
+    first, so at most one write is in flight. True then means started."""
     import torch.distributed as dist
 
+    commit_pending(engine, log)
     rank = dist.get_rank()
     tag = f"step{step:07d}"
     if rank == 0:
@@ -267,14 +273,19 @@ def save(engine, ckpt_dir: str, step: int, state: dict, *, keep_last: int, keep_
     # DeepSpeed's last act is a barrier: when it returns on rank 0, every rank's files are complete. A rank whose
     # write fails (a full disk, a lost mount) joins the collectives that follow the writes itself.
     failure = ""
+    background = not wait and getattr(engine, "async_save", False)
     try:
-        engine.save_checkpoint(ckpt_dir, tag=tag + PARTIAL_SUFFIX, client_state={"step": step}, save_latest=False)
+        if background:
+            engine.start_checkpoint(ckpt_dir, tag=tag + PARTIAL_SUFFIX, client_state={"step": step})
+        else:
+            engine.save_checkpoint(ckpt_dir, tag=tag + PARTIAL_SUFFIX, client_state={"step": step}, save_latest=False)
     except (OSError, RuntimeError) as e:
         if is_comm_error(e):
             raise
         failure = write_failure(e, ckpt_dir)
         if isinstance(engine, FSDP2Engine):
-            dist.barrier()  # the closing barrier the other ranks' save_checkpoint waits in
+            if not background:
+                dist.barrier()  # the closing barrier the other ranks' save_checkpoint waits in
         else:
             compat.close_failed_save(engine)
     if also and not failure:  # the gather of every rank's outcome below waits for these files too
@@ -282,6 +293,36 @@ def save(engine, ckpt_dir: str, step: int, state: dict, *, keep_last: int, keep_
             also(partial)
         except OSError as e:
             failure = write_failure(e, ckpt_dir)
+    done = (ckpt_dir, tag, state, keep_last, keep_best)
+    if background:
+        engine.pending = (*done, failure)
+        return True
+    return commit(*done, failure, log)
+
+
+def commit_pending(engine, log=print) -> bool | None:
+    """Wait for the checkpoint an engine is writing in the background and commit it (every rank calls it); its
+    outcome, or None when none is in flight."""
+    pending = getattr(engine, "pending", None)
+    if pending is None:
+        return None
+    engine.pending = None
+    *done, failure = pending
+    if not failure:
+        try:
+            engine.wait_checkpoint()
+        except OSError as e:
+            failure = write_failure(e, done[0])
+    return commit(*done, failure, log)
+
+
+def commit(ckpt_dir: str, tag: str, state: dict, keep_last: int, keep_best: bool, failure: str, log=print) -> bool:
+    """Every rank's outcome gathered; when all wrote their files, rank 0 commits the checkpoint (finish) and prunes
+    the old ones, else the partial files are removed and training goes on."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    partial = os.path.join(ckpt_dir, tag + PARTIAL_SUFFIX)
     failures = [None] * dist.get_world_size()
     dist.all_gather_object(failures, failure)
     failed = [f"rank {r}: {f}" for r, f in enumerate(failures) if f]

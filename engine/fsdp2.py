@@ -19,7 +19,10 @@ without a reduce-scatter (`set_requires_gradient_sync`).
 
 Checkpoints are `torch.distributed.checkpoint` (DCP) directories: each rank writes its shards of the weights and
 AdamW's states, and a load on any number of ranks reshards them, so no conversion is needed to resume elsewhere.
+With `async_save` the shards are copied to host memory and written by DCP's thread while training goes on
+(engine/checkpoint.py commits the checkpoint when the next save starts).
 """
+import contextlib
 import os
 
 import torch
@@ -41,7 +44,7 @@ def fsdp2_config(cfg: Config, precision: str, gpu: bool) -> dict:
             f"2-D: {cfg.replicate_degree} replicas x world/{cfg.replicate_degree} shards (HSDP)", "param_dtype": precision, "reduce_dtype": "fp32",
             "optimizer": {"type": "AdamW", "implementation": "fused" if gpu else "foreach", "lr": cfg.lr,
                           "betas": [cfg.beta1, cfg.beta2], "eps": ADAM_EPS, "weight_decay": cfg.weight_decay},
-            "gradient_clipping": cfg.grad_clip, "gradient_accumulation_steps": cfg.grad_accum_steps,
+            "async_save": cfg.async_save, "gradient_clipping": cfg.grad_clip, "gradient_accumulation_steps": cfg.grad_accum_steps,
             "train_micro_batch_size_per_gpu": cfg.micro_batch_size}
 
 
@@ -93,6 +96,10 @@ class FSDP2Engine:
         self.applied = True
         self.norm = None
         self.params = [p for p in module.parameters() if p.requires_grad]
+        self.async_save = cfg.async_save  # engine/checkpoint.py's save starts the write and commits it later
+        self.pending = None  # engine/checkpoint.py's record of the checkpoint being written in the background
+        self._writing = None  # its future
+        self._checkpoint_group = None
         # the norm sums each shard once: over the shard group, whose shards every replica holds alike
         mesh = next(p.device_mesh for p in module.parameters() if compat.is_dtensor(p))
         self.shard_group = mesh["shard"].get_group() if mesh.ndim == 2 else None
@@ -192,25 +199,43 @@ class FSDP2Engine:
         act is a barrier, as DeepSpeed's: when it returns, every rank's files are complete."""
         import torch.distributed.checkpoint as dcp
 
-        from torch.distributed.checkpoint.api import CheckpointException
-
         path = os.path.join(save_dir, tag)
         # a tensor every rank holds (a batch norm's running statistics, each rank's own) is written from rank 0, as
         # DeepSpeed writes the module's buffers, and as the export takes them
-        try:
+        with dcp_failures(path):
             dcp.save(self._state(), checkpoint_id=path, planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
-        except CheckpointException as e:  # a rank's write failed: DCP raises it on every rank, as an OSError here
-            first = next(iter(e.failures.values()), (e,))  # rank -> (exception, its traceback)
-            first = first[0] if isinstance(first, tuple) else first
-            raise OSError(getattr(first, "errno", None), getattr(first, "strerror", None) or str(first),
-                          getattr(first, "filename", path)) from e
+        self._save_engine_state(path, client_state)
+        dist.barrier()
+
+    def start_checkpoint(self, save_dir: str, tag: str, client_state: dict):
+        """save_checkpoint in the background: the shards copied to host memory now, written by DCP's thread while
+        training goes on (its collectives on a gloo group of their own, never beside the step's); wait_checkpoint
+        waits for the files."""
+        import torch.distributed.checkpoint as dcp
+
+        path = os.path.join(save_dir, tag)
+        if self._checkpoint_group is None:  # every rank starts its first background write at the same step
+            self._checkpoint_group = dist.new_group(backend="gloo")
+        with dcp_failures(path):
+            self._writing = (path, dcp.async_save(self._state(), checkpoint_id=path, process_group=self._checkpoint_group,
+                                                  planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True)))
+        self._save_engine_state(path, client_state)
+
+    def wait_checkpoint(self):
+        """Until the background write's files are complete on this rank; OSError when a rank's write failed."""
+        path, future = self._writing
+        self._writing = None
+        with dcp_failures(path):
+            future.result()
+
+    def _save_engine_state(self, path: str, client_state: dict):
         if dist.get_rank() == 0:
+            os.makedirs(path, exist_ok=True)  # a background write may not have made it yet
             # optimizer steps, not micro-batches: a resume may accumulate another number of micro-batches per step
             torch.save({"client_state": client_state, "lr_scheduler": self.lr_scheduler.state_dict(),
                         "optimizer_steps": self.micro_steps // self.cfg.grad_accum_steps,
                         "skipped_steps": self.skipped_steps},
                        os.path.join(path, ENGINE_STATE))
-        dist.barrier()
 
     def load_checkpoint(self, load_dir: str, tag: str):
         """(path, client_state) of the checkpoint `load_dir/tag`, loaded into the shards of this run's ranks,
@@ -241,6 +266,20 @@ class FSDP2Engine:
 
         state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return state if rank == 0 else {}
+
+
+@contextlib.contextmanager
+def dcp_failures(path: str):
+    """A rank's failed write, which DCP raises on every rank as a CheckpointException, as an OSError here."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as e:
+        first = next(iter(e.failures.values()), (e,))  # rank -> (exception, its traceback)
+        first = first[0] if isinstance(first, tuple) else first
+        raise OSError(getattr(first, "errno", None), getattr(first, "strerror", None) or str(first),
+                      getattr(first, "filename", path)) from e
 
 
 def checkpoint_files_missing(path: str, world_size: int) -> list[str]:

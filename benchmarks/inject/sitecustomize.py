@@ -120,11 +120,28 @@ def dcp_full_disk(save, engine, ckpt_dir, step, *args, **kwargs):
             f.write(b"\0" * 4096)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 
+    background = getattr(engine, "async_save", False) and not kwargs.get("wait", True)
+    if background:  # the write in flight finishes with the writer intact (save would commit it first)
+        sys.modules["engine.checkpoint"].commit_pending(engine, kwargs.get("log", print))
     FileSystemWriter.write_data = half_written
-    try:
-        return save(engine, ckpt_dir, step, *args, **kwargs)
-    finally:
-        FileSystemWriter.write_data = original
+    if not background:
+        try:
+            return save(engine, ckpt_dir, step, *args, **kwargs)
+        finally:
+            FileSystemWriter.write_data = original
+    # a background write (async_save): the writer stays faulty until the engine has waited for it
+    wait = engine.wait_checkpoint
+
+    def waited():
+        try:
+            return wait()
+        finally:
+            FileSystemWriter.write_data = original
+            engine.wait_checkpoint = wait
+
+    result = save(engine, ckpt_dir, step, *args, **kwargs)
+    engine.wait_checkpoint = waited
+    return result
 
 
 if NAN_AT:
