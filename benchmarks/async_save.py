@@ -78,7 +78,7 @@ def write_report(out_dir: str, results: list, env: dict, plan: dict):
              f"- **Machine**: {env['cpu']}, {env['cores']} cores, {RANKS} ranks x {THREADS} thread, fp32. "
              f"**Commit** `{commit}`; torch {env['torch']}.",
              f"- **Run**: train.py, FSDP2 resharding, {plan['model']} at {plan['image_size']}x{plan['image_size']} "
-             f"(patch {plan["patch_size"] or "the model's"}), {plan['micro_batch_size']} synthetic images per rank and step, "
+             f"(patch {plan['patch_size'] or 'the model default'}), {plan['micro_batch_size']} synthetic images per rank and step, "
              f"{plan['steps']} steps, a checkpoint every {SAVE_EVERY} ({saves} in the loop, in the background with "
              f"async_save) and the last one in the foreground either way; {plan['repeats']} repeats in alternating "
              "order (`python -m benchmarks.async_save`).", "",
