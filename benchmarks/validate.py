@@ -135,10 +135,22 @@ def validate(results_csv: str, mfu: float = 1.0, intra_gbs: float = 10.0, save: 
     return out
 
 
-def validation_table(rows: list) -> str:
-    """plan.py's predictions against a benchmark suite's measurements, as a markdown table and a summary line."""
+def unmeasured(results_csv: str) -> list:
+    """(shape, configuration) of the eager DeepSpeed rows of a suite's results.csv whose every job failed: rows
+    the planner has nothing to be compared with, counted as not measured."""
+    with open(results_csv) as f:
+        return [(r["shape"], r["config"]) for r in csv.DictReader(f)
+                if r["engine"] == "deepspeed" and r["jobs_ok"] == "0" and r.get("compile") != "True"]
+
+
+def validation_table(rows: list, missing: list = ()) -> str:
+    """plan.py's predictions against a benchmark suite's measurements, as a markdown table and a summary line;
+    `missing`: the rows not measured (unmeasured()), counted in the summary and named."""
+    failed = ", ".join(f"{config} at {shape}" for shape, config in missing)
+    gone = f"; {len(missing)} of them not measured (every job failed: {failed})" if missing else ""
     if not rows:
-        return "no DeepSpeed rows to compare"
+        return "no DeepSpeed rows to compare" + (f": {len(missing)} not measured (every job failed: {failed})"
+                                                 if missing else "")
     lines = ["| shape | configuration | peak MiB predicted | measured | error | step s calibrated (compute with "
              "host, of it memory-bound; communication) | host s per micro-batch | assumed | measured | error "
              "calibrated | error assumed |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -152,11 +164,12 @@ def validation_table(rows: list) -> str:
     worst_step = max(rows, key=lambda r: abs(r["step_error"]))
     worst_assumed = max(rows, key=lambda r: abs(r["step_error_assumed"]))
     within = sum(abs(r["step_error"]) <= STEP_TOLERANCE for r in rows)
-    return ("\n".join(lines) + f"\n\n{len(rows)} rows, {within} with the calibrated step within "
+    return ("\n".join(lines) + f"\n\n{len(rows) + len(missing)} rows, {within} with the calibrated step within "
             f"{STEP_TOLERANCE:.0%}; largest peak error {worst_peak['peak_error']:+.1%} "
             f"({worst_peak['config']}, {worst_peak['shape']}); largest step-time error calibrated "
             f"{worst_step['step_error']:+.1%} ({worst_step['config']}, {worst_step['shape']}), assumed "
-            f"{worst_assumed['step_error_assumed']:+.1%} ({worst_assumed['config']}, {worst_assumed['shape']})")
+            f"{worst_assumed['step_error_assumed']:+.1%} ({worst_assumed['config']}, {worst_assumed['shape']})"
+            + gone)
 
 
 def calibration_table(rows: list) -> str:
@@ -194,7 +207,8 @@ def write_validation(results_dir: str, suite_name: str):
                 f"brackets), and probes the host once;\n"
                 f"- **assumed**: every FLOP at the 2048^3 GEMM rate measured in the run, memory-bound operators at "
                 f"a streaming add's bandwidth, the collectives at 10 GB/s.\n\n"
-                f"{calibration_table(rows) if rows else ''}\n\n{validation_table(rows)}\n")
+                f"{calibration_table(rows) if rows else ''}\n\n"
+                f"{validation_table(rows, unmeasured(os.path.join(results_dir, 'results.csv')))}\n")
 
 
 def main(argv=None):
@@ -215,7 +229,7 @@ def main(argv=None):
         with open(os.path.join(folder, "environment.json")) as f:
             write_validation(folder, json.load(f)["suite"])
     rows = validate(a.results_csv, mfu=a.mfu, intra_gbs=a.intra_gbs)
-    print(json.dumps(rows, indent=1) if a.json else validation_table(rows))
+    print(json.dumps(rows, indent=1) if a.json else validation_table(rows, unmeasured(a.results_csv)))
     return 0
 
 

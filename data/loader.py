@@ -18,9 +18,14 @@ repeated or skipped. Whole shards are skipped by their sample counts when seekin
   samples exceed the spares, earlier ones are repeated and counted).
 - `resampled` mode: each stream draws shards with replacement, sources mixed by weight, endlessly.
 """
+import ctypes
+import functools
 import io
+import os
 import random
 import signal
+import socket
+import sys
 import warnings
 from itertools import accumulate
 
@@ -358,11 +363,48 @@ class _ShardReader:
         return out
 
 
-def _ignore_stop_signals(_worker_id: int):
-    """Workers ignore SIGTERM and SIGUSR1, which a launcher or scheduler may send to every process: the training
-    process decides when to stop (it finishes its step first), and its workers end with it."""
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when the thread that forked it exits
+
+
+def _worker_init(rank_pid: int, _worker_id: int):
+    """A loader worker's start: it ignores SIGTERM and SIGUSR1, which a launcher or scheduler may send to every
+    process (the training process decides when to stop, after its step), and it ends with its rank.
+
+    Ending with the rank: the kernel kills the worker the moment its rank exits (PR_SET_PDEATHSIG; torch's own
+    check of the parent runs every 5 s), and the worker closes the listening sockets it inherited from the fork
+    (global rank 0 serves the process group's store on MASTER_PORT). Without both, a worker of a failed job held
+    the master port for seconds after the launcher had returned, and an immediate relaunch failed on it."""
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != rank_pid:  # the rank died before the line above took effect
+            os._exit(1)
+        _close_inherited_listeners()
+
+
+def worker_init():
+    """The loader workers' `worker_init_fn` for workers forked by this process (_worker_init)."""
+    return functools.partial(_worker_init, os.getpid())
+
+
+def _close_inherited_listeners():
+    """Close the listening sockets among this process's descriptors (a forked worker serves nothing)."""
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            probe = socket.socket(fileno=fd)
+        except OSError:  # closed meanwhile (the listing's own descriptor), or not a socket
+            continue
+        try:
+            listening = probe.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+        except OSError:
+            listening = 0
+        probe.detach()  # the descriptor stays open unless it listens
+        if listening:
+            os.close(fd)
 
 
 class TrainLoader:
@@ -375,7 +417,7 @@ class TrainLoader:
         self.loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=num_workers,
                                                   persistent_workers=num_workers > 0,
                                                   pin_memory=torch.cuda.is_available(),
-                                                  worker_init_fn=_ignore_stop_signals)
+                                                  worker_init_fn=worker_init())
         self._it = None
 
     def __iter__(self):

@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 import tarfile
+import time
 import threading
 
 import numpy as np
@@ -385,3 +386,58 @@ def test_data_benchmark_runs(tmp_path):
         ("eval", "0", "uint8+normalize"), ("eval", "0", "float32")]
     assert float(rows[1]["vs_float32_median"]) > 0 and rows[0]["vs_float32_median"] == ""
     assert (tmp_path / "throughput.png").stat().st_size > 10_000
+
+
+WORKER_PARENT = """
+import os, socket, sys, time
+from data.loader import worker_init
+
+server = socket.socket()  # what global rank 0 holds: the process group's store, listening on MASTER_PORT
+server.bind(("127.0.0.1", 0))
+server.listen(4)
+init = worker_init()  # what the rank's DataLoader runs in each worker it forks
+ready_r, ready_w = os.pipe()
+if os.fork() == 0:  # the worker: its start, then busy (a long decode, a blocked read) for a minute
+    init(0)
+    os.write(ready_w, b"1")
+    time.sleep(60)
+    os._exit(0)
+os.read(ready_r, 1)
+print(server.getsockname()[1], flush=True)
+os._exit(1)  # the rank dies as a failed one does, without closing anything
+"""
+
+
+def test_a_loader_worker_ends_with_its_rank(tmp_path):
+    """A rank that dies abruptly while its loader worker is busy (the worker forked while the rank listened on a
+    port, as global rank 0 serves the store on MASTER_PORT, and started by data.loader.worker_init): when the
+    rank has exited, the worker is gone within half a second and the port binds, so a relaunch starts at once.
+    Without it the worker lives on until torch's check of its parent (every 5 s, once the worker is idle),
+    holding the listening socket it inherited."""
+    import socket
+
+    import psutil
+
+    # not subprocess.run: it would wait for the pipe's end, which a surviving worker holds open
+    proc = subprocess.Popen([sys.executable, "-c", WORKER_PARENT], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=dict(os.environ, JOB_MARK=str(tmp_path)))
+    port = int(proc.stdout.readline())
+    assert proc.wait(timeout=120) == 1
+
+    def left():
+        found = []
+        for p in psutil.process_iter():
+            try:
+                if p.pid != os.getpid() and p.environ().get("JOB_MARK") == str(tmp_path):
+                    found.append(p.pid)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                pass
+        return found
+
+    deadline = time.monotonic() + 0.5
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert left() == []
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))

@@ -8,6 +8,22 @@ import torch
 from conftest import REPO
 
 
+def weights(model_dir) -> dict:
+    """A classifier directory's weights as its class loads them (export.py and save_pretrained name them
+    differently on disk)."""
+    from transformers import AutoModelForImageClassification
+
+    return AutoModelForImageClassification.from_pretrained(model_dir).state_dict()
+
+
+def same_weights(a, b) -> list:
+    """The names whose tensors differ between two model directories (all of them if the names differ)."""
+    wa, wb = weights(a), weights(b)
+    if wa.keys() != wb.keys():
+        return sorted(set(wa) ^ set(wb))
+    return [k for k in wa if not wa[k].equal(wb[k])]
+
+
 def logits(model_dir, images):
     from transformers import AutoModelForImageClassification
 

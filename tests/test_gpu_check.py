@@ -71,5 +71,17 @@ def test_targets_read_the_rows_both_ways():
     assert verdicts["plan.py's step within 25% of the measured one, the host charged: ZeRO-3 + none (planned "
                     "micro-batch)"] == "missed"  # -30%
     assert not any("host charged: ZeRO-3 + selective" in t for t in verdicts)
+    # a measured MFU of 0 is missed, a configuration without MFU or images/s is not measured, never dropped
+    broken = [_row("FSDP2 + none", 100, 10, 0.0), {"config": "ZeRO-3 + none", "jobs_ok": "1", "step_ms": "10.4"},
+              _row("FSDP2 + selective", 90, 11.2, 0.41)]
+    verdicts = {t: v for t, _, v in gpu_check.targets({"parts": {"planned": {"figures": {"rows": broken,
+                                                                                         "planner": []}}}})}
+    assert verdicts["ViT-L/16 MFU >= 40% under FSDP2 (planned micro-batch)"] == "met"  # selective's 41%
+    assert verdicts["ViT-L/16 MFU >= 40% under DeepSpeed (planned micro-batch)"] == "not measured"
+    assert verdicts["ZeRO-3 >= 0.95x FSDP2's images/s at none (planned micro-batch)"] == "not measured"
+    assert verdicts["ZeRO-3 >= 0.95x FSDP2's images/s at selective (planned micro-batch)"] == "not measured"
+    zero = {t: v for t, _, v in gpu_check.targets({"parts": {"planned": {"figures": {"rows": broken[:1],
+                                                                                     "planner": []}}}})}
+    assert zero["ViT-L/16 MFU >= 40% under FSDP2 (planned micro-batch)"] == "missed"
     assert not any("MFU" in t for t in (t for t, _, _ in gpu_check.targets(
         {"parts": {"vit-l": {"figures": {"rows": rows, "planner": []}}}})))  # MFU is read at the planned batch only

@@ -27,8 +27,8 @@ def test_torchrun_matches_deepspeed_launcher(debug_args, tmp_path):
     np.testing.assert_array_equal(ds, tr)
 
 
-@pytest.mark.slow  # the same command trains to the end in tests/test_fault_injection.py's sigterm case
 def test_accelerate_launch_two_ranks(debug_args, tmp_path):
+    """Plain `accelerate launch --multi_gpu` (its torchrun path, no plugin): the default run's start of it."""
     proc = launch(debug_args + ["--max_steps", "5", "--eval_every", "0", "--output_dir", tmp_path / "run"],
                   launcher="accelerate")
     assert "world size 2" in proc.stdout and "done:" in proc.stdout
@@ -112,3 +112,33 @@ def test_grad_accumulation_on_one_rank_matches_two_ranks(stage_runs, debug_args,
     acc = read_metrics(tmp_path / "acc")
     np.testing.assert_allclose([r["loss"] for r in acc], [r["loss"] for r in two], rtol=1e-5)
     assert [r["lr"] for r in acc] == [r["lr"] for r in two]
+
+
+@pytest.mark.slow  # whether a worker outlives its rank depends on when the launcher kills it: the mechanism is
+# tested deterministically by tests/test_data.py::test_a_loader_worker_ends_with_its_rank
+def test_a_failed_job_is_gone_when_its_launcher_returns(debug_args, tmp_path, monkeypatch):
+    """Rank 1 of a deepspeed-launched job raises at its third step, with a loader worker per rank: when the
+    launcher has returned, no process of the job is left (its ranks, their loader workers) and the master port
+    binds at once, so an immediate relaunch on it starts. A worker ends with its rank (data/loader.py's
+    _worker_init): before, global rank 0's worker held the store's port for seconds after the launcher returned."""
+    import socket
+    import uuid
+
+    import psutil
+
+    mark = uuid.uuid4().hex
+    monkeypatch.setenv("JOB_MARK", mark)  # inherited by every process of the job
+    proc = launch(debug_args + ["--max_steps", 10, "--eval_every", 0, "--num_workers", 1, "--output_dir",
+                                tmp_path / "run"], launcher="deepspeed", faults={"RAISE": "1:3"}, check=False)
+    left = []
+    for p in psutil.process_iter():
+        try:
+            if p.pid != os.getpid() and p.environ().get("JOB_MARK") == mark:
+                left.append((p.pid, " ".join(p.cmdline())[:80]))
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", int(proc.port)))  # EADDRINUSE while a process of the job still holds it
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert left == []

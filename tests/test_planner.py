@@ -200,6 +200,26 @@ def test_validate_predicts_the_host_bound_suite_with_the_host_probe():
         assert r["host_bound"] or r["zero_stage"] != 3, r["config"]
 
 
+def test_validate_counts_a_row_whose_jobs_failed(tmp_path):
+    """A suite row whose every job failed is not dropped from validate's count: it is counted among the rows and
+    named as not measured, beside the rows it predicts."""
+    from benchmarks.validate import unmeasured, validation_table
+
+    head = "shape,config,engine,compile,jobs_ok\n"
+    (tmp_path / "results.csv").write_text(head + "S,ZeRO-3 + none,deepspeed,False,0\nS,ZeRO-2 + none,deepspeed,False,5\n"
+                                          "S,FSDP2 + none,fsdp2,False,0\nS,ZeRO-3 + full,deepspeed,True,0\n")
+    missing = unmeasured(str(tmp_path / "results.csv"))
+    assert missing == [("S", "ZeRO-3 + none")]  # eager DeepSpeed rows only, as validate predicts
+    assert validation_table([], missing) == ("no DeepSpeed rows to compare: 1 not measured (every job failed: "
+                                             "ZeRO-3 + none at S)")
+    row = {"shape": "S", "config": "ZeRO-2 + none", "peak_predicted": 2**20, "peak_measured": 2**20, "peak_error": 0.0,
+           "step_predicted": 1.0, "compute_s": 1.0, "memory_bound_s": 0.1, "comm_s": 0.0, "host_micro_s": 0.1,
+           "host_bound": False, "step_assumed": 1.0, "step_measured": 1.0, "step_error": 0.0, "step_error_assumed": 0.0}
+    summary = validation_table([row], missing).splitlines()[-1]
+    assert summary.startswith("2 rows, 1 with the calibrated step within 25%")
+    assert summary.endswith("; 1 of them not measured (every job failed: ZeRO-3 + none at S)")
+
+
 @pytest.mark.parametrize("zero,ac,tp", [(2, "selective", 1), (1, "none", 2),
                                        pytest.param(3, "selective", 2, marks=pytest.mark.slow)],
                          ids=["zero2 selective", "zero1 none tp2", "zero3 selective tp2"])
