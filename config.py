@@ -51,6 +51,7 @@ class Config:
     tp_size: int = 1  # tensor parallelism: ranks of a node that split each block's matrices (DeepSpeed AutoTP); data parallelism and ZeRO run over world size / tp_size
     ds_config: str = ""  # DeepSpeed JSON template; "" = ds_configs/zero{zero_stage}.json. Its "auto" fields come from this config
     dist_timeout: float = 1800.0  # seconds a rank waits for the master's address, for the other ranks, and in any collective
+    device_memory_gb: float = 0.0  # cap each rank's GPU memory at this many GiB (torch.cuda.set_per_process_memory_fraction): run as on a smaller device (an A100-40GB's 40 on an H200); 0 = the whole device
     precision: str = "auto"  # fp32 | bf16 | fp16 | auto (bf16 on GPUs that support it, else fp32)
     ac: str = "none"  # activation checkpointing: none | light | full | every_n:K | selective | hierarchical[:K] | offload | auto:BUDGET_GB (ac/policies.py)
     compile: bool = False  # torch.compile the wrapped model (DeepSpeed's engine.compile(), after the checkpointing)
@@ -307,6 +308,8 @@ def _check(cfg: Config):
     if cfg.engine != "fsdp2" and cfg.replicate_degree != 1:
         raise ConfigError(f"replicate_degree {cfg.replicate_degree} is FSDP2's HSDP (engine fsdp2); DeepSpeed's "
                           f"analogue is ZeRO++'s hierarchical partitioning (zero_hpz_partition_size in a ds_config)")
+    if cfg.device_memory_gb < 0:
+        raise ConfigError(f"config key 'device_memory_gb' must be >= 0 (0 = the whole device), got {cfg.device_memory_gb}")
     if cfg.lr <= 0:
         raise ConfigError(f"config key 'lr' must be positive, got {cfg.lr}")
     _check_report_to(cfg.report_to)

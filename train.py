@@ -39,8 +39,8 @@ from data.transforms import (EvalTransform, Normalize, SegEvalTransform, SegTrai
 from engine import compat, tracking
 from engine.checkpoint import (Resume, check_same_model, describe_load_error, find_resume, remove_interrupted, save,
                                to_universal)
-from engine.distributed import (DistributedError, Heartbeat, dist_env, exit_distributed, fail_fast,
-                                init_distributed, ranks_per_node)
+from engine.distributed import (DistributedError, Heartbeat, cap_device_memory, check_device_memory, dist_env,
+                                exit_distributed, fail_fast, init_distributed, ranks_per_node)
 from engine.ema import EMA
 from engine.evaluation import Evaluation, evaluate
 from engine.hf_export import export_hf_model
@@ -86,6 +86,8 @@ class Checked:
 
 def check_run(cfg: Config, world_size: int, rank: int) -> Checked:
     """Every check on the input that can fail, before anything is written or any process group forms."""
+    if why := check_device_memory(cfg.device_memory_gb):
+        raise ConfigError(why)
     if world_size % cfg.replicate_degree:
         raise ConfigError(f"replicate_degree {cfg.replicate_degree} does not divide the world size ({world_size}): "
                           f"HSDP's replicas each shard the model over the same number of ranks")
@@ -202,6 +204,7 @@ def setup(argv) -> Run:
         if rank == 0 and not os.listdir(cfg.output_dir):  # created by check_run, nothing written yet
             os.rmdir(cfg.output_dir)
         sys.exit(2)
+    cap_device_memory(device, cfg.device_memory_gb)
     heartbeat = Heartbeat(rank, world_size, cfg.dist_timeout, EXIT_COLLECTIVE)
     heartbeat.beat("starting")
     # an exception on any rank ends the job in seconds, its traceback in errors/rank<N>.txt, the logs flushed

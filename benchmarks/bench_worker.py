@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from config import Config
 from engine import compat
-from engine.distributed import exit_distributed, flush_cpu_denormals, init_distributed
+from engine.distributed import cap_device_memory, exit_distributed, flush_cpu_denormals, init_distributed
 from engine.memory import allocation_curve, trace_events
 from engine.optim import lr_schedule, param_groups
 from engine.fsdp2 import shard
@@ -71,6 +71,7 @@ class Spec:
     task: str = "classification"  # train.py's task: classification | mae | simmim | segmentation
     mask_ratio: float = 0.75  # mae, simmim
     mask_patch_size: int = 32  # simmim
+    device_memory_gb: float = 0.0  # train.py's: each rank's GPU memory capped (a smaller device's), 0 = all
 
 
 def batch(spec: Spec, rank: int, step: int):
@@ -235,6 +236,7 @@ def main(argv=None):
         dist.init_process_group("nccl" if cuda else "gloo")
         if not cuda:
             flush_cpu_denormals()  # as init_distributed does for DeepSpeed
+    cap_device_memory(device, spec.device_memory_gb)
     cfg = run_config(spec)
 
     # CPU: the profiler's memory events are the only allocator record; GPU: the caching allocator's counters

@@ -11,6 +11,10 @@ Parts (the default, the check's second version: 1, 7, 8 and 9; the first version
               light and selective; DeepSpeed ZeRO-3 at none and light, ZeRO-2 and ZeRO-1 at none
   8 compiled  part 7's FSDP2 + none with each block compiled, and ZeRO-3 + none under DeepCompile
   9 worker    part 7's FSDP2 + none through the benchmark worker's plain FSDP2 (train.py within 5% of it?)
+  10 race     the seed's race where memory binds: ViT-H/14 at 224^2, bf16, the GPU capped at 40 GiB, a global
+              batch of 256; plain FSDP2 (the worker: none, Hugging Face's full and every-2) against this project's
+              policies under FSDP2 and DeepSpeed, each at the largest micro-batch plan.py fits (confirmed: halved
+              once on a failure); plain ZeRO-3's peak at the winner's micro-batch. A second call: PARTS="1 10"
   2 vit-l     ViT-L/16 at 224^2, micro-batch 32: FSDP2, ZeRO-2 and ZeRO-3 at none, selective and full
               (train_bench.py's gpu-check suite: images/s, MFU, torch.cuda peaks against plan.py's)
   3 digits    train.py's main job (configs/digits-vit.yaml) in bf16 on one rank, with its evaluation
@@ -66,7 +70,8 @@ PARTS = [Part(1, "machine", (25, 15), (90, 60), "versions, device, GEMM rate"),
          Part(6, "compile", (150, 60), (240, 150), "torch.compile and deepcompile"),
          Part(7, "trainer", (220, 150), (330, 300), "ViT-L/16 through train.py at plan.py's micro-batch"),
          Part(9, "worker", (40, 40), (90, 120), "part 7's FSDP2 + none through the benchmark worker"),
-         Part(8, "compiled", (200, 120), (300, 300), "part 7's FSDP2 compiled per block; ZeRO-3 under DeepCompile")]
+         Part(8, "compiled", (200, 120), (300, 300), "part 7's FSDP2 compiled per block; ZeRO-3 under DeepCompile"),
+         Part(10, "race", (330, 200), (450, 400), "ViT-H/14 at an A100-40GB's memory: plain FSDP2 against ours")]
 DEFAULT_PARTS = (1, 7, 8, 9)
 
 
@@ -416,11 +421,176 @@ def worker(check: Check) -> dict:
     return figures
 
 
-RUNNERS = {"machine": machine, "vit-l": vit_l, "digits": digits, "policies": policies, "planned": planned,
-           "compile": compiled, "trainer": trainer, "compiled": compiled_trainer, "worker": worker}
 
 
 # ----------------------------------------------------------------------------- the report
+# ----------------------------------------------------------------------------- part 10: the race where memory binds
+# ViT-H/14 at 224², bf16, one GPU capped at an A100-40GB's memory (train.py's device_memory_gb, the worker's too):
+# each configuration at the largest micro-batch plan.py says fits, accumulating to the same global batch.
+# Smoke: vit-debug, fp32, on CPU (no cap: the planner's budget is a CPU's 8 GiB).
+RACE_SHAPE = {"model": "vit-huge", "image_size": 224, "patch_size": 14, "num_labels": 1000}
+RACE_SMOKE_SHAPE = {"model": "vit-debug", "image_size": 16, "patch_size": 0, "num_labels": 10}
+RACE_BUDGET_GIB, RACE_GLOBAL_BATCH = (40, 8), (256, 16)  # (GPU, smoke)
+RACE_MICROS = (4, 8, 16, 32, 64, 128, 256)
+RACE_STEPS, RACE_STEADY_FROM = (10, 4), (5, 2)
+# plain FSDP2 as its users run it (the benchmark worker: fully_shard per block, resharding, Hugging Face's own
+# checkpointing), and the planner's policy that counts the same recompute
+RACE_PLAIN = [("none", "none"), ("hf:full", "full"), ("hf:every_n:2", "every_n:2")]
+# this project's: either engine, its policies
+RACE_OURS = [("fsdp2", 3, "light"), ("fsdp2", 3, "selective"), ("fsdp2", 3, "full"), ("deepspeed", 3, "light"),
+             ("deepspeed", 3, "selective"), ("deepspeed", 2, "light")]
+
+
+def race_micro(engine: str, stage: int, ac: str) -> int:
+    """The largest of RACE_MICROS whose planned peak fits the race's budget (plan.py's estimate, bf16 on the
+    H200 capped; smoke: fp32 on a CPU of 8 GiB), 0 when none does."""
+    from dataclasses import replace
+
+    from config import Config
+    from engine.ds_config import build_ds_config
+    from engine.fsdp2 import fsdp2_config
+    from models.registry import model_config, width
+    from planner.devices import DEVICES, Device
+    from planner.estimate import estimate
+
+    shape = RACE_SMOKE_SHAPE if SMOKE else RACE_SHAPE
+    precision = "fp32" if SMOKE else "bf16"
+    device = Device("cpu", 1e11, RACE_BUDGET_GIB[1], 10, 10, 0.0, mem_gbs=10) if SMOKE else \
+        replace(DEVICES["h200"], memory_gib=RACE_BUDGET_GIB[0])
+    hidden = width(model_config(shape["model"], shape["num_labels"], shape["image_size"], shape["patch_size"]))
+    best = 0
+    for micro in RACE_MICROS:
+        if micro > RACE_GLOBAL_BATCH[SMOKE]:
+            break
+        cfg = Config(**shape, engine=engine, zero_stage=stage, ac=ac, micro_batch_size=micro, precision=precision,
+                     grad_accum_steps=RACE_GLOBAL_BATCH[SMOKE] // micro)
+        engine_config = fsdp2_config(cfg, precision, not SMOKE) if engine == "fsdp2" else \
+            build_ds_config(cfg, hidden, 1, precision, 1, gpu=not SMOKE)
+        if estimate(cfg, engine_config, precision, 1, 1, device)["fits"]:
+            best = micro
+    return best
+
+
+def race_trainer_job(check: Check, name: str, engine: str, stage: int, ac: str, micro: int, capped: bool = True) -> dict:
+    shape = RACE_SMOKE_SHAPE if SMOKE else RACE_SHAPE
+    out = os.path.join(check.work, name)
+    args = [*(f for k, v in shape.items() for f in (f"--{k}", v)), "--precision", "fp32" if SMOKE else "bf16",
+            "--engine", engine, "--zero_stage", stage, "--ac", ac, "--micro_batch_size", micro,
+            "--grad_accum_steps", RACE_GLOBAL_BATCH[SMOKE] // micro, "--data_mode", "synthetic", "--max_steps",
+            RACE_STEPS[SMOKE], "--log_every", 1, "--eval_every", 0, "--save_every", 0, "--warmup_steps", 1000,
+            "--output_dir", out, "--progress", "false",
+            *(["--device_memory_gb", RACE_BUDGET_GIB[0]] if capped and not SMOKE else [])]
+    started = time.monotonic()
+    rc = check.torchrun("train.py", *args)
+    if rc != 0 or not os.path.exists(os.path.join(out, "summary.json")):
+        return {"error": f"train.py exited {rc} (gpu_check.log)", "micro_batch_size": micro,
+                "seconds": round(time.monotonic() - started, 1)}
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    shutil.rmtree(os.path.join(out, "hf_model"), ignore_errors=True)
+    return {"side": "ours", "engine": engine, "zero_stage": stage, "ac": ac, "micro_batch_size": micro,
+            "images_per_sec": steady_images_per_sec(records, RACE_STEADY_FROM[SMOKE]),
+            "peak_mem_bytes": max(r.get("peak_mem_bytes") or 0 for r in records), "loss": records[-1]["loss"],
+            "seconds": round(time.monotonic() - started, 1)}
+
+
+def race_worker_job(check: Check, name: str, ac: str, micro: int) -> dict:
+    shape = RACE_SMOKE_SHAPE if SMOKE else RACE_SHAPE
+    spec = {"engine": "fsdp2", **shape, "micro_batch_size": micro, "grad_accum_steps": RACE_GLOBAL_BATCH[SMOKE] // micro,
+            "reshard": True, "ac": ac, "profiled_steps": 1, "warmup_steps": RACE_STEADY_FROM[SMOKE] - 2,
+            "timed_steps": RACE_STEPS[SMOKE] - RACE_STEADY_FROM[SMOKE] + 1, "count_flops": False,
+            "device_memory_gb": 0 if SMOKE else RACE_BUDGET_GIB[0]}
+    out = os.path.join(check.work, f"{name}.json")
+    started = time.monotonic()
+    rc = check.torchrun("-m", "benchmarks.bench_worker", "--spec", json.dumps(spec), "--out", out)
+    if rc != 0 or not os.path.exists(out):
+        return {"error": f"bench_worker exited {rc} (gpu_check.log)", "micro_batch_size": micro,
+                "seconds": round(time.monotonic() - started, 1)}
+    result = read_json(out)
+    return {"side": "plain", "engine": "fsdp2", "zero_stage": 3, "ac": ac, "micro_batch_size": micro,
+            "images_per_sec": result["images_per_sec"], "peak_mem_bytes": max(result["peak_alloc_bytes"]),
+            "loss": result["losses"][-1], "seconds": round(time.monotonic() - started, 1)}
+
+
+def confirmed(check: Check, run, micro: int) -> dict:
+    """`run(micro)` at the planned micro-batch; when it fails (out of memory under the cap), once more at half."""
+    job = run(micro)
+    if "error" in job and micro > RACE_MICROS[0]:
+        check.say(f"   failed at micro-batch {micro}; once more at {micro // 2}")
+        job = dict(run(micro // 2), first_try={"micro_batch_size": micro, "error": job["error"]})
+    return job
+
+
+def race(check: Check) -> dict:
+    """Plain FSDP2's best against this project's best (either engine, any policy) and DeepSpeed's best, each
+    configuration at its largest fitting micro-batch under the cap; and the peak of plain ZeRO-3 (none, no cap)
+    at this project's best's micro-batch, for the memory target."""
+    jobs = {}
+    for ac, planned_as in RACE_PLAIN:
+        name = f"plain-fsdp2-{ac.replace(':', '_')}"
+        micro = race_micro("fsdp2", 3, planned_as)
+        jobs[name] = confirmed(check, lambda m, n=name, a=ac: race_worker_job(check, n, a, m), micro) if micro \
+            else {"error": "plan.py: no micro-batch fits the budget"}
+        check.say(f"   {name}: " + (f"{jobs[name]['images_per_sec']:.0f} img/s at micro {jobs[name]['micro_batch_size']}"
+                                     if jobs[name].get("images_per_sec") else jobs[name].get("error", "")))
+    for engine, stage, ac in RACE_OURS:
+        name = f"{engine}-zero{stage}-{ac}"
+        micro = race_micro(engine, stage, ac)
+        jobs[name] = confirmed(check, lambda m, n=name, e=engine, z=stage, a=ac: race_trainer_job(check, n, e, z, a, m),
+                               micro) if micro else {"error": "plan.py: no micro-batch fits the budget"}
+        check.say(f"   {name}: " + (f"{jobs[name]['images_per_sec']:.0f} img/s at micro {jobs[name]['micro_batch_size']}"
+                                     if jobs[name].get("images_per_sec") else jobs[name].get("error", "")))
+    ours = [(j["images_per_sec"], k) for k, j in jobs.items() if j.get("side") == "ours" and j.get("images_per_sec")]
+    if ours:  # plain ZeRO-3 at the winner's micro-batch, uncapped: what the memory target compares with
+        best = jobs[max(ours)[1]]
+        name = "deepspeed-zero3-none-uncapped"
+        jobs[name] = dict(race_trainer_job(check, name, "deepspeed", 3, "none", best["micro_batch_size"],
+                                           capped=False), side="reference")
+    return {"budget_gib": RACE_BUDGET_GIB[SMOKE], "global_batch": RACE_GLOBAL_BATCH[SMOKE],
+            "shape": RACE_SMOKE_SHAPE if SMOKE else RACE_SHAPE, "jobs": jobs}
+
+
+def race_targets(parts: dict) -> list:
+    """The seed's claim where memory binds: this project's best >= 1.15x plain FSDP2's best (one repeat each:
+    points), its peak <= 0.7x plain ZeRO-3's at the same micro-batch; DeepSpeed's best, reported."""
+    figures = parts.get("race", {}).get("figures") or {}
+    jobs = figures.get("jobs") or {}
+    if not jobs:
+        return []
+    done = {k: j for k, j in jobs.items() if j.get("images_per_sec")}
+    plain = [(j["images_per_sec"], k) for k, j in done.items() if j.get("side") == "plain"]
+    ours = [(j["images_per_sec"], k) for k, j in done.items() if j.get("side") == "ours"]
+    deepspeed = [(j["images_per_sec"], k) for k, j in done.items() if j.get("side") == "ours" and
+                 j["engine"] == "deepspeed"]
+    budget = f"{figures.get('budget_gib')} GiB"
+    rows = [(f"race job {k}", "failed (gpu_check.log)", "not measured") for k, j in jobs.items() if k not in done]
+    target = f"this project's best >= 1.15x plain FSDP2's best at {budget}"
+    if plain and ours:
+        (o, ok), (p, pk) = max(ours), max(plain)
+        rows.append((target, f"{o / p:.3f}x ({ok} at micro {done[ok]['micro_batch_size']}: {o:.0f} img/s; {pk} at "
+                             f"micro {done[pk]['micro_batch_size']}: {p:.0f})", "met" if o / p >= 1.15 else "missed"))
+    else:
+        rows.append((target, "a side has no finished job", "not measured"))
+    reference = done.get("deepspeed-zero3-none-uncapped")
+    target = "this project's best's peak <= 0.7x plain ZeRO-3's at the same micro-batch"
+    if ours and reference:
+        ok = max(ours)[1]
+        ratio = done[ok]["peak_mem_bytes"] / reference["peak_mem_bytes"]
+        rows.append((target, f"{ratio:.3f}x ({done[ok]['peak_mem_bytes'] / 2**30:.1f} vs "
+                             f"{reference['peak_mem_bytes'] / 2**30:.1f} GiB)", "met" if ratio <= 0.7 else "missed"))
+    else:
+        rows.append((target, "no reference job", "not measured"))
+    if deepspeed and plain:
+        d, dk = max(deepspeed)
+        rows.append((f"DeepSpeed's best against plain FSDP2's best at {budget}", f"{d / max(plain)[0]:.3f}x ({dk})",
+                     "reported"))
+    return rows
+
+
+RUNNERS = {"machine": machine, "vit-l": vit_l, "digits": digits, "policies": policies, "planned": planned,
+           "compile": compiled, "trainer": trainer, "compiled": compiled_trainer, "worker": worker, "race": race}
+
+
 def number(row: dict, key: str):
     try:
         return float(row[key])
@@ -483,6 +653,7 @@ def targets(results: dict) -> list:
                              f"micro-batch{', host-bound' if r['host_bound'] else ''})",
                              "met" if abs(r["step_error"]) <= 0.25 else "missed"))
     rows += trainer_targets(parts)
+    rows += race_targets(parts)
     return rows
 
 
@@ -554,6 +725,12 @@ def headline(name: str, figures: dict) -> str:
         return (f"{len(ran)} of {len(figures['jobs'])} jobs ran at micro-batch {figures['micro_batch_size']}" +
                 (f"; fastest {best[0]} {best[1]['images_per_sec']:.0f} img/s" +
                  (f", MFU {best[1]['mfu']:.1%}" if best[1].get("mfu") else "") if best else ""))
+    if name == "race":
+        ran = {k: v for k, v in figures["jobs"].items() if v.get("images_per_sec")}
+        best = {side: max(((v["images_per_sec"], k) for k, v in ran.items() if v.get("side") == side), default=None)
+                for side in ("plain", "ours")}
+        return (f"{len(ran)} of {len(figures['jobs'])} jobs ran under {figures['budget_gib']} GiB" +
+                "".join(f"; {side}'s best {b[1]} {b[0]:.0f} img/s" for side, b in best.items() if b))
     if name == "worker":
         return (f"worker FSDP2 {figures['images_per_sec']:.0f} img/s" +
                 (f"; train.py {figures['trainer_over_worker']:.3f}x of it" if "trainer_over_worker" in figures else ""))

@@ -3,6 +3,7 @@
 #   bash benchmarks/gpu_check.sh [OUT]        # OUT: $OUT where set (the device tool's folder), else
 #                                             # benchmarks/results/gpu-check/latest
 #   PARTS="5 6" bash benchmarks/gpu_check.sh  # a second call: the parts the first did not reach
+#   PARTS="1 10" BUDGET_S=540 bash ...       # the race where memory binds (ViT-H/14 at 40 GiB), its own call
 #   SMOKE=1 bash benchmarks/gpu_check.sh OUT  # on CPU with tiny shapes: the same files (make device-rehearsal)
 #   GPU_CHECK_COMMIT=<hash> bash ...          # the commit the reports name, where the copied tree's .git is not it
 # What each part measures, and the files it writes: benchmarks/gpu_check.py. The packages that machine lacks travel

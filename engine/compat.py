@@ -8,6 +8,8 @@ SUPPORTED.
 import contextlib
 import os
 
+import sys
+
 import torch
 
 # The (major, minor) series each package's behaviours were tested on, oldest and newest: tests/test_compat.py passes
@@ -35,6 +37,22 @@ def installed_version(package: str) -> str:
     import deepspeed
 
     return deepspeed.__version__
+
+
+def import_deepspeed():
+    """`import deepspeed`, without letting DeepSpeed's autotuner import mlflow: it does when mlflow is installed
+    (requirements.txt has it, for report_to), to log autotuning experiments this trainer never runs, and that
+    import costs every process ~1.6 s at its start. mlflow is importable again afterwards (engine/tracking.py)."""
+    if "deepspeed" not in sys.modules and "mlflow" not in sys.modules:
+        sys.modules["mlflow"] = None  # `import mlflow` raises ImportError: the autotuner's has_mlflow is False
+        try:
+            import deepspeed  # noqa: F401
+        finally:
+            if "mlflow" in sys.modules and sys.modules["mlflow"] is None:
+                del sys.modules["mlflow"]
+    import deepspeed
+
+    return deepspeed
 
 
 def series(version: str) -> tuple[int, int]:

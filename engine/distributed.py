@@ -14,6 +14,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from engine import compat
 from engine.compat import quiet_deepspeed_deprecations, release_deepspeed_shm
 
 DEFAULT_TIMEOUT_S = 1800  # torch's own default for gloo and NCCL
@@ -64,6 +65,28 @@ def wait_for_master(addr: str, port: int, timeout_s: float):
             time.sleep(0.5)
 
 
+def check_device_memory(gib: float) -> str | None:
+    """Why `device_memory_gb` cannot cap this machine's GPUs, or None (0: nothing to cap)."""
+    if not gib:
+        return None
+    if not torch.cuda.is_available():
+        return f"device_memory_gb {gib:g} caps a GPU's memory and this machine has none; leave it 0"
+    total = torch.cuda.get_device_properties(0).total_memory / 2**30
+    if gib > total:
+        return f"device_memory_gb {gib:g} is more than this GPU's {total:.1f} GiB"
+    return None
+
+
+def cap_device_memory(device: torch.device, gib: float) -> float:
+    """Let this process's caching allocator use at most `gib` GiB of its GPU (a smaller device's memory, on a larger
+    one): the fraction set, or 0 for no cap. An allocation past it raises CUDA's out-of-memory error."""
+    if not gib or device.type != "cuda":
+        return 0.0
+    fraction = min(1.0, gib * 2**30 / torch.cuda.get_device_properties(device).total_memory)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return fraction
+
+
 def flush_cpu_denormals():
     """Compute on the CPU with denormal floats flushed to zero, as GPUs' bf16 paths do. Swin's shifted windows
     add -100 to masked attention logits, so about half its attention probabilities underflow to denormals,
@@ -80,7 +103,7 @@ def init_distributed(local_rank: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> t
         wait_for_master(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout_s)
     if not torch.cuda.is_available():  # said, DeepSpeed picks its CPU accelerator without a warning per process
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed  # heavy: imported once the input is known to be good
+    deepspeed = compat.import_deepspeed()  # heavy: imported once the input is known to be good
 
     deepspeed.utils.logger.setLevel(logging.WARNING)  # its INFO lines describe its own set-up, every rank
     quiet_deepspeed_deprecations()

@@ -32,6 +32,8 @@ CASES = {
     "impossible ac budget": (lambda t, d: ["--ac", "auto:0.0001"], "the optimizer step alone needs"),
     "offload on cpu": (lambda t, d: ["--ac", "offload"], "needs a GPU"),
     "fp16 on cpu": (lambda t, d: ["--precision", "fp16"], "precision fp16 needs a GPU"),
+    "device memory cap on cpu": (lambda t, d: ["--device_memory_gb", "40"],
+                                 "device_memory_gb 40 caps a GPU's memory and this machine has none; leave it 0"),
     "missing resume checkpoint": (lambda t, d: ["--resume", f"{t}/no-such-checkpoint"], "does not exist"),
     "image size not a multiple of the patch": (lambda t, d: ["--model", "vit-debug", "--image_size", "15"],
                                                "image_size 15 is not a multiple of patch_size 2: the last 1 pixel "

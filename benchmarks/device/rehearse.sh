@@ -65,6 +65,12 @@ SMOKE=1 GPU_CHECK_SITE="$work/gpu_check_site" bash benchmarks/gpu_check.sh "$wor
   || { cat "$work/gpu_check.out" | tail -30; echo "error: gpu_check.sh's smoke mode did not pass every part" >&2; exit 1; }
 check_s=$(( $(date +%s) - t ))
 tail -12 "$work/gpu_check.out"
+step "benchmarks/gpu_check.sh, smoke mode, its second call: PARTS=\"1 10\" (the race where memory binds)"
+t=$(date +%s)
+SMOKE=1 PARTS="1 10" GPU_CHECK_SITE="$work/gpu_check_site" bash benchmarks/gpu_check.sh "$work/out10" \
+  > "$work/gpu_check10.out" 2>&1 || { tail -30 "$work/gpu_check10.out"; echo "error: part 10's smoke did not pass" >&2; exit 1; }
+grep -q '| 10 | race | ok |' "$work/out10/report.md" || { tail -30 "$work/gpu_check10.out"; exit 1; }
+race_s=$(( $(date +%s) - t ))
 # what comes back from the GPU machine: at most 8 files of at most 16 MiB, 2 folders deep, plain names
 listing=$(python3 - "$work/out" <<'PY'
 import os, re, sys
@@ -98,6 +104,7 @@ Stack: $versions (benchmarks/device/stack.txt; the packages the GPU machine lack
 | tests/test_compat.py | passed | $compat_s |
 | train.py, 2 ranks, ZeRO-3, 40 steps (torchrun, CPU) | $train_line | $train_s |
 | benchmarks/gpu_check.sh, SMOKE=1 (its default parts, CPU, tiny shapes) | every part ok | $check_s |
+| benchmarks/gpu_check.sh, SMOKE=1 PARTS="1 10" (the race where memory binds) | every part ok | $race_s |
 
 Files it wrote, as a GPU call returns them: $listing.
 MD
