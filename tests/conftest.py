@@ -18,9 +18,12 @@ BIN = os.path.dirname(sys.executable)
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 # The one tiny configuration every integration test trains (torchtitan's "debug model").
+# report_to none: metrics.jsonl only; the runs whose TensorBoard events a test reads name tensorboard (stage_runs,
+# the segmentation masks, two loopback nodes; tests/test_tracking.py), which saves the drawing of TensorBoard's
+# figures at every evaluation of the others (~0.75 s a launch)
 DEBUG_ARGS = ["--image_size", "16", "--micro_batch_size", "16", "--max_steps", "60", "--warmup_steps", "10",
               "--lr", "3e-3", "--eval_every", "30", "--save_every", "30", "--num_workers", "0",
-              "--shuffle_buffer", "200", "--progress", "false"]
+              "--shuffle_buffer", "200", "--progress", "false", "--report_to", "none"]
 
 
 INJECT = os.path.join(REPO, "benchmarks", "inject")  # faults installed from outside train.py (its sitecustomize.py)
@@ -333,6 +336,7 @@ def stage_runs(debug_args, tmp_path_factory):
     for model in MODELS:
         for stage in STAGES:
             out = root / f"{model}-zero{stage}"
-            launch(debug_args + ["--model", model, "--zero_stage", stage, "--output_dir", out])
+            launch(debug_args + ["--model", model, "--zero_stage", stage, "--output_dir", out,
+                                 "--report_to", "tensorboard"])
             runs[model, stage] = str(out)
     return runs

@@ -19,7 +19,7 @@ STEPS = 12
 @pytest.fixture(scope="module")
 def node_args(debug_args):
     return debug_args + ["--model", "vit-debug", "--zero_stage", "3", "--max_steps", STEPS, "--eval_every", "6",
-                         "--save_every", "6", "--num_workers", "1"]
+                         "--save_every", "6", "--num_workers", "1", "--report_to", "tensorboard"]
 
 
 @pytest.fixture(scope="module")

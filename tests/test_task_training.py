@@ -154,7 +154,7 @@ def test_the_segmentation_export_loads_in_the_pipeline_and_tensorboard_shows_mas
     from transformers import pipeline
 
     launch(task_args(case) + ["--max_steps", 2, "--eval_every", 2, "--save_every", 0, "--ema_decay", 0.9,
-                                        "--output_dir", tmp_path], nproc=1)
+                              "--report_to", "tensorboard", "--output_dir", tmp_path], nproc=1)
     summary = json.load(open(tmp_path / "summary.json"))
     assert 0 <= summary["val_ema_miou"] <= 1 and 0 <= summary["val_ema_pixel_acc"] <= 1
     assert 0 <= summary["val_miou"] <= 1 and 0 <= summary["val_pixel_acc"] <= 1
