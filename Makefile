@@ -9,6 +9,9 @@ NPROC = $(shell $(PY) -c "import torch; print(torch.cuda.device_count() or 2)")
 THREADS = $(shell echo $$(( $$(nproc) / $(NPROC) > 0 ? $$(nproc) / $(NPROC) : 1 )))
 # no GPU: DeepSpeed's CPU accelerator, named so that every process does not warn that it found no GPU
 ACCEL = $(shell $(PY) -c "import torch; print('' if torch.cuda.is_available() else 'cpu')")
+# DeepSpeed's JIT-built ops in this environment's own folder (tests/conftest.py uses the same): built once, at
+# set-up, not by the first job or test that needs them; two checkouts never share (and rebuild) each other's
+export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
 .PHONY: train test data clean wheels device-rehearsal
 train: $(VENV)/.installed data
@@ -30,6 +33,7 @@ device-rehearsal: $(VENV)/.installed data
 $(VENV)/.installed: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m engine.compat build_cpu_ops
 	touch $@
 
 data/digits/_info.json: $(VENV)/.installed data/make_shards.py

@@ -12,6 +12,7 @@ measured path changed after it ran; the CHANGELOG says so too. tests/test_docs_f
 """
 import argparse
 import csv
+import functools
 import json
 import os
 import re
@@ -181,6 +182,15 @@ def h200_table(doc: str) -> str:
         rows.append(f"| {name} | {gi(j['images_per_sec'])} | {mfu} | {j['peak_mem_bytes'] / 2**30:.1f} |")
     if worker.get("images_per_sec"):
         rows.append(f"| the benchmark worker's plain FSDP2 (resharding) + none | {gi(worker['images_per_sec'])} | | |")
+    ips = lambda key: (jobs.get(key) or {}).get("images_per_sec")  # noqa: E731
+    ratios = [f"{ips(f'deepspeed-zero3-{ac}') / ips(f'fsdp2-zero3-{ac}'):.2f}× FSDP2's images/s at `{ac}`"
+              for ac in ("none", "light") if ips(f"deepspeed-zero3-{ac}") and ips(f"fsdp2-zero3-{ac}")]
+    first = report_dir("gpu-check", "2026-12-04-parts-1-4")
+    old = {r["config"]: float(r["images_per_sec"]) for r in json.load(open(os.path.join(first, "vit-l-results.json")))
+           ["parts"]["vit-l"]["figures"]["rows"] if r.get("images_per_sec")}
+    rows += ["", f"At this micro-batch ZeRO-3 runs at {', '.join(ratios)}; at micro-batch 32 the "
+             f"same GPU put it at {old['ZeRO-3 + none'] / old['FSDP2 + none']:.2f}× ([the first check]"
+             f"({link(first, doc, 'vit-l-report.md')}), older DeepSpeed sizes)."]
     return "\n".join(rows)
 
 
@@ -269,8 +279,348 @@ def planner_suites(doc: str) -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------- the CPU suites, rebuilt from runs
+_SUITES = {}
+
+
+def suite_report(name: str) -> tuple:
+    """(folder, suite, rows, results) of a committed train_bench suite: its rows summarised again from runs.jsonl
+    with the suite's definition and the runs' own GEMM and FLOP counts, as `train_bench --report_only` does."""
+    if name not in _SUITES:
+        from benchmarks.report import summarise
+        from benchmarks.suites import SUITES
+
+        folder, suite = report_dir(name), SUITES[name]
+        results = runs(folder)
+        env = json.load(open(os.path.join(folder, "environment.json")))
+        flops = env["model_flops_per_image"]  # as the run counted them
+        _SUITES[name] = folder, suite, summarise(results, suite.shapes, suite, flops, env["peak_gflops_per_rank"]), \
+            results
+    return _SUITES[name]
+
+
+def span(values, fmt=lambda v: f"{v:.2f}") -> str:
+    lo, hi = min(values), max(values)
+    return fmt(lo) if fmt(lo) == fmt(hi) else f"{fmt(lo)}–{fmt(hi)}"
+
+
+def short(shape: str) -> str:
+    return shape.split(",")[0].split(" (")[0]
+
+
+def cut(this: dict, none: dict) -> float:
+    return 1 - this["activation_mib"] / none["activation_mib"]
+
+
+def equal_policy(doc: str, bullet: bool = False) -> str:
+    """DeepSpeed against FSDP2 at equal policy in the cpu suite: speed and peak ratio ranges."""
+    from benchmarks.report import engine_table
+
+    folder, suite, rows, results = suite_report("cpu")
+    table = [e for e in engine_table(results, rows, suite) if e["speed"] and not e["policy"].startswith("auto")]
+    z3 = [e for e in table if e["ours"]["zero_stage"] == 3]
+    z2 = [e for e in table if e["ours"]["zero_stage"] == 2]
+    slower = [f"{short(e['shape'])} + {e['policy']}" for e in z3 if e["speed"].high < 1]
+    where = f"[ViT-S, Swin-T]({link(folder, doc)}), {env_date(folder)}{stale_note(folder)}"
+    return ((f"- **Compute-bound, at equal policy** ({where}): " if bullet else
+             f"On 2 CPU ranks in fp32, compute-bound ({where}; the benchmark worker's FSDP2): ")
+            + f"ZeRO-3 {span([e['speed'].ratio for e in z3])}× FSDP2's images/s ("
+            + (f"decidedly slower only at {', '.join(slower)}" if slower else "none decidedly slower")
+            + f") at {span([e['memory'].ratio for e in z3])}× its peak; ZeRO-2 {span([e['speed'].ratio for e in z2])}× "
+            f"FSDP2 without resharding.")
+
+
+def benchmark_lines(doc: str) -> str:
+    """README's lines on the CPU suites: the engines at equal policy and what the checkpointing buys (cpu), the
+    host-bound step and the micro-batch race (host, race)."""
+    from benchmarks.race import race_rows
+    from benchmarks.report import engine_table, race_table, speed_ratio
+
+    folder, suite, rows, results = suite_report("cpu")
+    out = [equal_policy(doc, bullet=True)]
+    by = {(r["shape"], r["config"]): r for r in rows if "images_per_sec" in r}
+    cuts, steps = [], []
+    for shape in suite.shapes:
+        for engine in ("FSDP2", "ZeRO-3"):
+            none, sel = by.get((shape.label, f"{engine} + none")), by.get((shape.label, f"{engine} + selective"))
+            if none and sel and (r := speed_ratio(results, shape.label, none["config"], sel["config"])):
+                cuts.append(cut(sel, none))
+                steps.append(r.ratio)
+    races = [e for e in race_table(results, rows, suite) if e["midpoint"] and e["either_speed"]]
+    race = "; ".join(f"{short(e['shape'])} {fmt_ratio(e['either_speed'])}× (ours: {e['either']['config']}, "
+                     f"plain: {e['fsdp2']['config']})" for e in races)
+    out.append(f"- **The checkpointing, under either engine**: `selective` cuts activations "
+               f"{span([100 * c for c in cuts], lambda v: f'{v:.0f}')}% for {pct(min(steps))} to {pct(max(steps))} step time; at the "
+               f"midpoint budget between Hugging Face's full checkpointing and none, this project's fastest against "
+               f"plain FSDP2's fastest (both at micro-batch 32): {race}.")
+    folder, suite, rows, results = suite_report("host")
+    host = {e["ours"]["config"]: speed_ratio(results, e["shape"], e["fsdp2"]["config"], e["ours"]["config"])
+            for e in engine_table(results, rows, suite) if e["speed"]}
+    rfolder, rsuite, rrows, rresults = suite_report("race")
+    mid = [e for e in race_rows(rsuite, rrows, rresults) if e["fraction"] == 0.5]
+    low = [e for e in race_rows(rsuite, rrows, rresults) if e["fraction"] == 0]
+    text = (f"- **Host-bound** ([host]({link(folder, doc)}), {env_date(folder)}{stale_note(folder)}; [race]"
+            f"({link(rfolder, doc)}), {env_date(rfolder)}{stale_note(rfolder)}): host time per step against FSDP2's, "
+            f"ZeRO-2 {fmt_ratio(host['ZeRO-2 + none'])}×, ZeRO-3 {fmt_ratio(host['ZeRO-3 + none'])}× (`none`)")
+    for e in mid:
+        if e["ours_ratio"]:
+            text += (f"; free to pick the micro-batch at the midpoint budget ({e['budget_mib']:.0f} MiB), this "
+                     f"project's best ({e['ours']}) is {fmt_ratio(e['ours_ratio'])}× plain FSDP2's ({e['plain']})")
+    for e in low:
+        if e["ours_ratio"]:
+            text += f"; at the smallest budget ({e['budget_mib']:.0f} MiB) {fmt_ratio(e['ours_ratio'])}×"
+    out.append(text + ".")
+    return "\n".join(out)
+
+
+def ac_costs(doc: str) -> str:
+    """docs/activation_checkpointing.md's table: each policy's activations and step time against `none`, per
+    shape and engine, in the cpu suite."""
+    from benchmarks.report import speed_ratio
+
+    folder, suite, rows, results = suite_report("cpu")
+    by = {(r["shape"], r["config"]): r for r in rows if "images_per_sec" in r}
+    lines = [f"Measured in the `cpu` suite ({env_date(folder)}{stale_note(folder)}, 2 CPU ranks, fp32, micro-batch 32; "
+             f"[report]({link(folder, doc)})): activation bytes (the profiler's) and step time against `none` under the "
+             "same engine, the step time as a paired ratio with its 95% interval over the repeats.", "",
+             "| shape | policy | FSDP2: activations | FSDP2: step time | ZeRO-3: activations | ZeRO-3: step time |",
+             "|---|---|---|---|---|---|"]
+    for shape in suite.shapes:
+        for ac in ("selective", "every_n:2", "hierarchical", "full"):
+            cells = []
+            for engine in ("FSDP2", "ZeRO-3"):
+                none, this = by.get((shape.label, f"{engine} + none")), by.get((shape.label, f"{engine} + {ac}"))
+                r = speed_ratio(results, shape.label, none["config"], this["config"]) if none and this else None
+                cells += [f"{-cut(this, none):+.0%}".replace("-", "−"), fmt_ratio(r) + "×"] if r else ["", ""]
+            if any(cells):
+                lines.append(f"| {short(shape.label)} | `{ac}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def light_figures(doc: str) -> str:
+    """`light` against `none` and `selective` on the host-bound shape (host-light): activations and host time."""
+    from benchmarks.report import speed_ratio
+
+    folder = report_dir("host-light")
+    results = runs(folder)
+    shape = results[0]["shape"]
+    acts = lambda run: statistics.median(max(r["activation_bytes"]) for r in results  # noqa: E731
+                                         if r["run"] == run and "error" not in r)
+    parts = []
+    for engine in ("FSDP2", "ZeRO-3"):
+        none = acts(f"{engine} + none")
+        parts.append(f"{engine}: `light` {1 - acts(f'{engine} + light') / none:.0%} fewer activation bytes than `none` "
+                     f"(`selective` {1 - acts(f'{engine} + selective') / none:.0%}), host time per step "
+                     f"{fmt_ratio(speed_ratio(results, shape, f'{engine} + none', f'{engine} + light'))}× `none`'s "
+                     f"(`selective` {fmt_ratio(speed_ratio(results, shape, f'{engine} + none', f'{engine} + selective'))}×)")
+    return (f"On the host-bound shape ({shape.split(',')[0]}, 2 CPU ranks, fp32, {env_date(folder)}"
+            f"{stale_note(folder)}, `train_bench --suite host-light`, [report]({link(folder, doc, 'results.md')})): "
+            + "; ".join(parts) + ".")
+
+
+def planner_cpu_rows(doc: str) -> str:
+    """docs/planner.md: the cpu suite's FSDP2 rows against what they planned with, and `auto:B` against its
+    budget and against its engine's fastest fixed policy that fits."""
+    from benchmarks.report import speed_ratio
+
+    folder, suite, rows, results = suite_report("cpu")
+    have = [r for r in rows if "images_per_sec" in r]
+    fsdp2 = [r["planned_error"] for r in have if r["engine"] == "fsdp2" and not r["ac"].startswith("hf:")
+             and r.get("planned_error") not in (None, "")]
+    autos = []
+    for r in (r for r in have if r["ac"].startswith("auto") and r.get("budget_gib")):
+        budget = r["budget_gib"] * 1024
+        fixed = [x for x in have if x["shape"] == r["shape"] and (x["engine"], x["zero_stage"], x["reshard"]) ==
+                 (r["engine"], r["zero_stage"], r["reshard"]) and not x["ac"].startswith(("auto", "hf:"))
+                 and x["peak_alloc_mib"] <= budget]
+        fastest = max(fixed, key=lambda x: x["images_per_sec"]) if fixed else None
+        ratio = speed_ratio(results, r["shape"], r["config"], fastest["config"]) if fastest else None
+        autos.append(f"{r['config'].split(' + ')[0]} {pct1(r['peak_alloc_mib'] / budget)} of its {budget:.0f} MiB "
+                     + (f"at {fmt_ratio(ratio)}× the images/s of {fastest['config']}" if ratio else
+                        "(no fixed policy of its engine fits)"))
+    return (f"In the `cpu` suite ({env_date(folder)}{stale_note(folder)}; [results]({link(folder, doc, 'results.md')}))"
+            f" the FSDP2 rows with this project's checkpointing were planned (FSDP2's accounting) at {pct1(1 + min(fsdp2))}"
+            f" to {pct1(1 + max(fsdp2))} of their measured peaks (results.csv's `planned_error`), and `auto:B` peaked at "
+            + "; ".join(autos) + ".")
+
+
+@functools.cache
+def h200_planner_errors() -> tuple:
+    """(folder, date, {job: (peak error, step error)}): plan.py's estimate of each train.py job of the second GPU
+    check (uncalibrated, the H200's datasheet, 40% MFU) against what the job measured."""
+    from config import Config
+    from engine.ds_config import build_ds_config
+    from engine.fsdp2 import fsdp2_config
+    from planner.devices import DEVICES
+    from planner.estimate import estimate
+
+    folder = report_dir("gpu-check", "2026-12-04-v2")
+    report = json.load(open(os.path.join(folder, "results.json")))
+    out = {}
+    for name, job in report["parts"]["trainer"]["figures"]["jobs"].items():
+        cfg = Config(model="vit-large", image_size=224, patch_size=16, num_labels=1000, precision="bf16",
+                     engine=job["engine"], zero_stage=job["zero_stage"], ac=job["ac"],
+                     micro_batch_size=job["micro_batch_size"])
+        engine_config = fsdp2_config(cfg, "bf16", True) if cfg.engine == "fsdp2" else \
+            build_ds_config(cfg, 1024, 1, "bf16", 1, gpu=True)
+        e = estimate(cfg, engine_config, "bf16", 1, 1, DEVICES["h200"])
+        out[name] = (e["peak_bytes"] / job["peak_mem_bytes"] - 1,
+                     e["step_s"] / (job["micro_batch_size"] / job["images_per_sec"]) - 1)
+    return folder, report["date"], out
+
+
+def planner_h200(doc: str) -> str:
+    folder, date, errors = h200_planner_errors()
+    parts = []
+    for engine, what in (("deepspeed", "DeepSpeed"), ("fsdp2", "FSDP2")):
+        mine = {k: v for k, v in errors.items() if k.startswith(engine)}
+        peaks, steps = [v[0] for v in mine.values()], [v[1] for v in mine.values()]
+        parts.append(f"{what} ({', '.join(sorted(k.split('-', 1)[1] for k in mine))}) within {pct1(1 + min(peaks))} "
+                     f"to {pct1(1 + max(peaks))} of the allocator's peak and {pct1(1 + min(steps))} to "
+                     f"{pct1(1 + max(steps))} of the step")
+    return (f"On one H200 ({date}{stale_note(folder)}, ViT-L/16 at 224², bf16, micro-batch 256 through train.py, "
+            f"uncalibrated: 40% MFU assumed; [report]({link(folder, doc, 'README.md')})): " + "; ".join(parts) +
+            " (`tests/test_planner.py::test_the_planner_predicts_the_h200_runs` holds them to 5% and 25%).")
+
+
+def task_memory(doc: str) -> str:
+    folder = report_dir("task-memory")
+    jobs = [j for j in json.load(open(os.path.join(folder, "results.json"))) if j.get("error") is not None]
+    date = json.load(open(os.path.join(folder, "environment.json")))["date"]
+    mae = [j["error"] for j in jobs if j["task"] == "mae"]
+    rest = [j["error"] for j in jobs if j["task"] != "mae"]
+    return (f"The other tasks, on shapes no suite runs (`python -m benchmarks.task_memory`, {date}{stale_note(folder)}, "
+            f"[report]({link(folder, doc)})): {len(mae)} MAE ViT-S/8 jobs under ZeRO 1-3 and three policies within "
+            f"{pct1(1 + min(mae))} to {pct1(1 + max(mae))} of the measured peak; {len(rest)} SimMIM (ViT-S, Swin-T), "
+            f"UperNet and SegFormer-B0 jobs within {pct1(1 + min(rest))} to {pct1(1 + max(rest))}.")
+
+
+def planner_line(doc: str) -> str:
+    """README's line on the planner: the committed suites' planner.json and the H200 jobs."""
+    from benchmarks.validate import STEP_TOLERANCE
+
+    def rows_of(suite):
+        return json.load(open(os.path.join(report_dir(suite), "planner.json")))
+
+    cpu = rows_of("cpu")
+    host = rows_of("host") + rows_of("race")
+    within = sum(abs(r["step_error"]) <= STEP_TOLERANCE for r in host)
+    _, date, errors = h200_planner_errors()
+    return (f"- **Plan before you run** ([planner](docs/planner.md)): on the compute-bound `cpu` suite, peaks "
+            f"{pct1(1 + min(r['peak_error'] for r in cpu))} to {pct1(1 + max(r['peak_error'] for r in cpu))} and "
+            f"calibrated steps {pct1(1 + min(r['step_error'] for r in cpu))} to "
+            f"{pct1(1 + max(r['step_error'] for r in cpu))} of the measured; host-bound steps within "
+            f"{STEP_TOLERANCE:.0%} in {within} of {len(host)} rows with the runs' own host probe (the host-bound peaks"
+            f", tens of MiB, {pct(1 + min(r['peak_error'] for r in host))} to "
+            f"{pct(1 + max(r['peak_error'] for r in host))}); on one H200 ({date}) at ViT-L/16's micro-batch 256, "
+            f"peaks {pct1(1 + min(e[0] for e in errors.values()))} to {pct1(1 + max(e[0] for e in errors.values()))}"
+            f" and steps {pct1(1 + min(e[1] for e in errors.values()))} to "
+            f"{pct1(1 + max(e[1] for e in errors.values()))} ({len(errors)} configurations, both engines).")
+
+
+def digits_tasks(doc: str) -> str:
+    """docs/models.md: each task's digits recipe trained to the end (benchmarks.digits_tasks's runs)."""
+    folder = report_dir("digits-tasks")
+    date = re.search(r"\((\d{4}-\d\d-\d\d)\)", open(os.path.join(folder, "results.md")).readline()).group(1)
+    lines = [f"`python -m benchmarks.digits_tasks` trains each task's digits recipe to the end on 2 CPU ranks "
+             f"([report]({link(folder, doc, 'results.md')}), {date}{stale_note(folder)}, one seed each):", "",
+             "| run | recipe | steps | result |", "|---|---|---|---|"]
+    for r in runs(folder):
+        ev, last = r["evals"], r["evals"][-1]
+        recipe = f"`{r['recipe']}`" + (f" `{' '.join(o for o in r['overrides'] if not o.startswith('/'))}`"
+                                       if r["overrides"] and r["overrides"][0] == "--model" and
+                                       not r["overrides"][1].startswith("/") else "")
+        if "val_loss" in last:
+            result = f"val loss {ev[0]['val_loss']:.3f} at step {ev[0]['step']}, {last['val_loss']:.3f} at {last['step']}"
+        elif "val_miou" in last:
+            result = f"val mIoU {last['val_miou']:.2%}, pixel accuracy {last['val_pixel_acc']:.2%}"
+        else:
+            result = f"val top-1 {last['val_top1']:.2%} ({ev[0]['val_top1']:.2%} at step {ev[0]['step']})"
+        lines.append(f"| {r['label']} | {recipe} | {r['summary']['step']} | {result} |")
+    tuned = [r for r in runs(folder) if r["recipe"].endswith("mae-finetune.yaml")]
+    if len(tuned) == 2:  # from the MAE encoder, then from random weights
+        first, last = (100 * (tuned[0]["evals"][i]["val_top1"] - tuned[1]["evals"][i]["val_top1"]) for i in (0, -1))
+        lines += ["", f"The pretrained encoder starts fine-tuning {first:.0f} points ahead (step "
+                      f"{tuned[0]['evals'][0]['step']}) and ends {last:.1f} points ahead at step "
+                      f"{tuned[0]['evals'][-1]['step']}; one seed, so the gap is indicative, not a measured effect size."]
+    return "\n".join(lines)
+
+
+def scaling(doc: str) -> str:
+    """docs/sweeps.md: the scaling-law fits on the digits (benchmarks.scaling's analysis.json)."""
+    folder = report_dir("scaling")
+    a = json.load(open(os.path.join(folder, "analysis.json")))
+    grid = runs(folder)
+    steps = sorted({r["steps"] for r in grid})
+    top1 = {(r["size"], r["steps"]): r["val_top1"] for r in grid}
+    two, front = a["two_term"], a["frontier"]
+    held = two["held_out"]
+    verdict = lambda f: "met" if f["met"] else "**missed**"  # noqa: E731
+    deep = max((r for r in grid if r["steps"] == steps[-1]), key=lambda r: int(r["size"].split("-d")[1]))
+    shallow = max((r for r in grid if r["steps"] == steps[-1] and r["size"].endswith("-d2")),
+                  key=lambda r: r["val_top1"])
+    text = (f"**The digits, {a['date']}** ([report]({link(folder, doc)}){stale_note(folder)}, {len(grid)} runs of "
+            f"{', '.join(map(str, steps))} steps): the two-term law {verdict(two)} its held-out run ({held['size']} at "
+            f"{held['steps']} steps: predicted {two['predicted']:.3f} [{two['interval'][0]:.3f}, "
+            f"{two['interval'][1]:.3f}], measured {held['error']:.3f}). At these budgets the deepest model trains "
+            f"worse than the shallow ones ({deep['size']} at {deep['steps']} steps: {deep['val_top1']:.1%} val top-1 "
+            f"against {shallow['size']}'s {shallow['val_top1']:.1%}), an optimisation limit the law does not "
+            f"describe")
+    if a["optimal"].get("at_edge"):
+        text += ", so it names no compute-optimal size (the minimum lies at the search's edge)"
+    text += (f". The frontier law's prediction ({front['predicted']:.3f} [{front['interval'][0]:.3f}, "
+             f"{front['interval'][1]:.3f}]) {'holds' if front['met'] else 'misses'} the measured "
+             f"{front['held_out']['error']:.3f}")
+    if front.get("at_bound"):
+        text += ", but with its exponent at its bound: it says the floor held, not that the law extrapolates"
+    return text + "."
+
+
+def ds_tuning(doc: str) -> str:
+    """docs/benchmarks.md: each DeepSpeed knob against the config as shipped (benchmarks.ds_tuning's runs), on
+    ViT-S and on the host-bound shape, and no persistent parameters under ZeRO-3."""
+    from benchmarks.report import peak_of
+
+    lines = ["| shape | ZeRO | variant | images/s vs shipped | peak vs shipped |", "|---|---|---|---|---|"]
+    sources = []
+    for sub, shape in (("ds-tuning-vit-s", "ViT-S/8"), ("ds-tuning-host", "host"),
+                       (os.path.join("ds-tuning-persistence", "vit-s"), "ViT-S/8"),
+                       (os.path.join("ds-tuning-persistence", "host"), "host")):
+        folder = report_dir(sub)
+        results = runs(folder)
+        head = open(os.path.join(folder, "report.md")).read()
+        date = re.search(r"\d{4}-\d\d-\d\d", head).group(0)
+        sources.append(f"[{sub.replace(os.sep, '/')}]({link(folder, doc)}) ({date}{stale_note(folder)})")
+        for stage in sorted({r["stage"] for r in results}):
+            of = lambda name, value: by_repeat(results, "variant", value, stage=stage, variant=name)  # noqa: E731
+            for name in dict.fromkeys(r["variant"] for r in results if r["stage"] == stage):
+                if name == "as shipped":
+                    continue
+                speed = paired_ratio(of(name, lambda r: r["images_per_sec"]),
+                                     of("as shipped", lambda r: r["images_per_sec"]))
+                peak = paired_ratio(of(name, peak_of), of("as shipped", peak_of))
+                lines.append(f"| {shape} | {stage} | {name} | {fmt_ratio(speed)} | {fmt_ratio(peak)} |")
+    return ("Each variant against the config as shipped at the time, 2 CPU ranks, fp32, 5 alternating repeats, "
+            "paired ratios with 95% intervals (above 1: faster, or larger); reports: " + ", ".join(sources) +
+            ".\n\n" + "\n".join(lines))
+
+
+def clean_clone(doc: str) -> str:
+    """README: the range of the main job's val top-1 over the clean clones recorded (the clean-clone report)."""
+    folder = report_dir("clean-clone")
+    table = [line.split("|") for line in open(os.path.join(folder, "report.md")) if line.startswith("| 20")]
+    top1 = [float(m.group(1)) for row in table if (m := re.match(r"\s*(\d+\.\d+)%", row[5]))]
+    return (f"has ended between {min(top1):.2f}% and {max(top1):.2f}% in the {len(top1)} clean clones recorded "
+            f"([timings]({link(folder, doc)})):")
+
+
 RENDERERS = {"policy-table": policy_table, "h200-table": h200_table, "h200-line": h200_line,
-             "async-save": async_save, "trainer-line": trainer_line, "planner-suites": planner_suites}
+             "async-save": async_save, "trainer-line": trainer_line, "planner-suites": planner_suites,
+             "benchmark-lines": benchmark_lines, "ac-costs": ac_costs, "light-figures": light_figures,
+             "equal-policy": equal_policy, "planner-cpu-rows": planner_cpu_rows, "planner-h200": planner_h200,
+             "task-memory": task_memory, "planner-line": planner_line, "digits-tasks": digits_tasks,
+             "scaling": scaling, "ds-tuning": ds_tuning,
+             "clean-clone": clean_clone}
 
 
 # ----------------------------------------------------------------------------- the command

@@ -606,3 +606,33 @@ def mae_fixed_position_embeddings(model):
     finally:
         projection._is_hf_initialized = marked
     model.decoder.initialize_weights(model.vit.embeddings.patch_embeddings.num_patches)
+
+
+CPU_OPS = ("CPUAdamBuilder", "ShareMemCommBuilder")  # ZeRO-Offload's Adam; the CPU accelerator's all-reduce
+
+
+def build_cpu_ops() -> list:
+    """Build (or load, once built) the DeepSpeed ops a CPU run JIT-compiles at its first use, into
+    TORCH_EXTENSIONS_DIR: `make`'s set-up calls it, so that no job or test pays the build. Nothing on a GPU
+    machine (its ops are CUDA builds, made where they are used). Returns the ops' names."""
+    if torch.cuda.is_available():
+        return []
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    _require("deepspeed", "build_cpu_ops")
+    import_deepspeed()
+    from deepspeed.accelerator import get_accelerator
+
+    built = []
+    for name in CPU_OPS:
+        builder = get_accelerator().create_op_builder(name)
+        if builder is not None and builder.is_compatible():
+            builder.load(verbose=False)
+            built.append(builder.NAME)
+    return built
+
+
+if __name__ == "__main__":  # python -m engine.compat build_cpu_ops (the Makefile's set-up)
+    if sys.argv[1:] != ["build_cpu_ops"]:
+        raise SystemExit("usage: python -m engine.compat build_cpu_ops")
+    print("DeepSpeed CPU ops ready in", os.environ.get("TORCH_EXTENSIONS_DIR", "torch's default folder") + ":",
+          ", ".join(build_cpu_ops()) or "none (a GPU machine)")

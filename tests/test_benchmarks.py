@@ -196,6 +196,22 @@ def test_a_ratio_from_too_few_pairs_is_not_measured_and_its_dropped_repeats_are_
     assert judged(enough, 1.10, at_least=True) is True and fmt_ratio(enough) == "1.200 [1.200, 1.200]"
 
 
+def test_auto_is_judged_not_slower_on_its_paired_interval_not_on_the_fixed_policys_slowest_repeat():
+    """The input the old rule passed: auto's median (0.95 img/s) above the fixed policy's slowest repeat (0.93),
+    while in every repeat but that one auto is 5% slower: its paired interval lies wholly below 1."""
+    from benchmarks.report import NOT_MEASURED, not_slower, speed_ratio
+
+    results = _race_results({"auto": [0.95, 0.96, 0.94, 0.95, 0.95], "fixed": [1.0, 1.01, 0.99, 1.0, 0.93]},
+                            {"auto": 10, "fixed": 10}, 5)
+    r = speed_ratio(results, "s", "auto", "fixed")
+    assert r.high < 1.0 and not_slower(r) is False
+    level = _race_results({"auto": [1.0, 0.97, 1.02, 0.99, 1.01], "fixed": [1.0, 1.0, 1.0, 1.0, 1.0]},
+                          {"auto": 10, "fixed": 10}, 5)
+    r = speed_ratio(level, "s", "auto", "fixed")
+    assert r.low < 1.0 < r.high and not_slower(r) is True  # within the noise: not slower
+    assert not_slower(speed_ratio(level[:2] + level[5:7], "s", "auto", "fixed")) == NOT_MEASURED  # 2 pairs
+
+
 @pytest.mark.slow
 def test_convergence_fsdp2_worker_trains_what_train_py_trains(tmp_path, debug_args):
     """The convergence benchmark's FSDP2 worker reads the same batches, draws the same augmentation and starts
