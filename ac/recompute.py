@@ -10,7 +10,7 @@ cheap module's forward, and the block's matmuls never rerun.
 How: forward hooks on the block's cheap modules record each output with the module and its input; the
 block's forward runs under saved-tensor hooks, whose pack replaces a saved tensor that is (a view of) such
 an output by a recipe, and whose unpack reruns the module's own forward on the same input, once per output
-however many ops saved it. The same kernel on the same input gives the same bits (tests/test_checkpointing.py
+however many ops saved it. The same kernel on the same input gives the same bits (tests/integration/test_checkpointing.py
 holds every policy bitwise equal to `none` under ZeRO 1-3). An input or output changed in place after the
 forward is refused at the backward rather than recomputed from the changed value.
 """

@@ -8,7 +8,7 @@ A figure block in a Markdown file is the text between `<!-- figures: NAME -->` a
 maps each NAME to the function that writes it from a report's machine-readable files (runs.jsonl, results.csv,
 results.json), with the report's date, and with **stale** when the report's own header says so. A report is
 marked stale in its header (`--stale`: a line `**Stale** since <commit>: <why>` under its title) when code on its
-measured path changed after it ran; the CHANGELOG says so too. tests/test_docs_figures.py runs `--check`.
+measured path changed after it ran; the CHANGELOG says so too. tests/unit/test_docs_figures.py runs `--check`.
 """
 import argparse
 import csv
@@ -480,7 +480,7 @@ def planner_h200(doc: str) -> str:
                      f"{pct1(1 + max(steps))} of the step")
     return (f"On one H200 ({date}{stale_note(folder)}, ViT-L/16 at 224², bf16, micro-batch 256 through train.py, "
             f"uncalibrated: 40% MFU assumed; [report]({link(folder, doc, 'README.md')})): " + "; ".join(parts) +
-            " (`tests/test_planner.py::test_the_planner_predicts_the_h200_runs` holds them to 5% and 25%).")
+            " (`tests/unit/test_planner_model.py::test_the_planner_predicts_the_h200_runs` holds them to 5% and 25%).")
 
 
 def task_memory(doc: str) -> str:

@@ -2,7 +2,7 @@
 
 Each function checks that the installed version lies in the range its behaviour was tested on (SUPPORTED) and,
 outside it, stops with a message naming itself, the range and the installed version. Before accepting another
-version, run tests/test_compat.py under it (one test per behaviour relied on here), fix what fails, then widen
+version, run tests/unit/test_compat.py under it (one test per behaviour relied on here), fix what fails, then widen
 SUPPORTED.
 """
 import contextlib
@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-# The (major, minor) series each package's behaviours were tested on, oldest and newest: tests/test_compat.py passes
+# The (major, minor) series each package's behaviours were tested on, oldest and newest: tests/unit/test_compat.py passes
 # under both ends (the newest: requirements.txt, what `make` installs; the oldest: the GPU machine's stack,
 # benchmarks/device/stack.txt, run by `make device-rehearsal`).
 SUPPORTED = {"torch": ((2, 11), (2, 13)), "transformers": ((5, 17), (5, 24)), "deepspeed": ((0, 19), (0, 19))}
@@ -72,7 +72,7 @@ def _require(package: str, function: str):
     low, high = SUPPORTED[package]
     if not low <= series(version) <= high:
         raise CompatError(f"engine/compat.py:{function} relies on {package} {supported_range(package)} internals and "
-                          f"the installed {package} is {version}: run tests/test_compat.py under it, adapt {function}, "
+                          f"the installed {package} is {version}: run tests/unit/test_compat.py under it, adapt {function}, "
                           f"then widen SUPPORTED")
 
 

@@ -166,7 +166,7 @@ def build_ds_config(cfg: Config, hidden_size: int, world_size: int, precision: s
     # optimizer the FSDP2 baseline runs, with no JIT build of a CUDA op at start (DeepSpeed hands extra optimizer
     # params to torch's AdamW: `fused` reaches it). On CPU its foreach update: with the fused CPU kernel an
     # element's update depends on where it sits in the rank's flat partition, so a resume on another number of
-    # ranks is not bitwise (tests/test_elastic.py); the foreach update is the same whatever the partition.
+    # ranks is not bitwise (tests/integration/test_elastic.py); the foreach update is the same whatever the partition.
     # Optimizer states offloaded to CPU memory step with DeepSpeed's CPU Adam, built at the first run.
     ds["optimizer"]["params"].setdefault("torch_adam", not offloaded)
     if ds["optimizer"]["params"]["torch_adam"] and cfg.optimizer == "adamw":

@@ -1,4 +1,4 @@
-"""Run by tests/test_checkpointing.py on 2 ranks: every AC policy against `none`.
+"""Run by tests/integration/test_checkpointing.py on 2 ranks: every AC policy against `none`.
 
     deepspeed --num_gpus 2 --module tests.ac_equivalence ZERO_STAGE OUT.json [TP_SIZE]
     deepspeed --num_gpus 2 --module tests.ac_equivalence fsdp2 OUT.json       # the FSDP2 engine (resharding)
@@ -7,7 +7,7 @@
 
 For vit-debug and swin-debug, each policy trains 4 steps from the same seed on the same per-rank batches
 under the given ZeRO stage, through train.py's own `build_engine`; rank 0 writes the losses and a digest of
-the final weights per policy, and what the compat functions found (tests/test_compat.py reads those). With
+the final weights per policy, and what the compat functions found (tests/unit/test_compat.py reads those). With
 TP_SIZE > 1, vit-debug alone (swin-debug's first stage has one head) under DeepSpeed's AutoTP, the ranks of a
 tensor group reading the same batches, rank 0's digest that of its shard, and no compat findings.
 """

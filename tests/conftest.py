@@ -19,7 +19,7 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_ex
 
 # The one tiny configuration every integration test trains (torchtitan's "debug model").
 # report_to none: metrics.jsonl only; the runs whose TensorBoard events a test reads name tensorboard (stage_runs,
-# the segmentation masks, two loopback nodes; tests/test_tracking.py), which saves the drawing of TensorBoard's
+# the segmentation masks, two loopback nodes; tests/integration/test_tracking.py), which saves the drawing of TensorBoard's
 # figures at every evaluation of the others (~0.75 s a launch)
 DEBUG_ARGS = ["--image_size", "16", "--micro_batch_size", "16", "--max_steps", "60", "--warmup_steps", "10",
               "--lr", "3e-3", "--eval_every", "30", "--save_every", "30", "--num_workers", "0",
@@ -340,3 +340,18 @@ def stage_runs(debug_args, tmp_path_factory):
                                  "--report_to", "tensorboard"])
             runs[model, stage] = str(out)
     return runs
+
+
+@pytest.fixture(autouse=True)
+def unit_tests_start_no_process(request, monkeypatch):
+    """tests/unit/ runs in the pytest process alone: starting a process there (a subprocess, a fork, a loader
+    worker, a launcher) fails the test that tries. Tests that start processes live in tests/integration/."""
+    if os.sep + "unit" + os.sep not in str(request.node.path):
+        return
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a unit test started a process: it belongs in tests/integration/")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(os, "fork", refuse)
+    monkeypatch.setattr(os, "posix_spawn", refuse)

@@ -4,7 +4,7 @@
 #      registry; torch 2.11 is the CUDA build, which runs on a CPU), and without what it lacks;
 #   2. .whl/ built (benchmarks/device/wheels.sh) and installed as the GPU call installs it: offline, no
 #      dependencies, into a --target folder on PYTHONPATH;
-#   3. under it: tests/test_compat.py, a 2-rank ZeRO-3 run of train.py, and benchmarks/gpu_check.sh end to end in
+#   3. under it: tests/unit/test_compat.py, a 2-rank ZeRO-3 run of train.py, and benchmarks/gpu_check.sh end to end in
 #      its smoke mode, whose output folder is held to what comes back from the GPU machine.
 # Writes benchmarks/results/gpu-check/rehearsal.md: when it last passed, at which commit, with which versions.
 set -euo pipefail
@@ -42,10 +42,10 @@ print(f'Python {platform.python_version()}, ' + ', '.join(f'{n} {m.version(n)}' 
       ('torch', 'transformers', 'accelerate', 'deepspeed', 'webdataset', 'numpy')))")
 echo "$versions"
 
-step "tests/test_compat.py"
+step "tests/unit/test_compat.py"
 t=$(date +%s)
-PYTHONPATH=$site python3 -m pytest -q -p no:cacheprovider tests/test_compat.py > "$work/compat.log" 2>&1 \
-  || { tail -40 "$work/compat.log"; echo "error: tests/test_compat.py failed under the GPU machine's stack" >&2; exit 1; }
+PYTHONPATH=$site python3 -m pytest -q -p no:cacheprovider tests/unit/test_compat.py tests/integration/test_fresh_process.py > "$work/compat.log" 2>&1 \
+  || { tail -40 "$work/compat.log"; echo "error: tests/unit/test_compat.py failed under the GPU machine's stack" >&2; exit 1; }
 tail -1 "$work/compat.log"
 compat_s=$(( $(date +%s) - t ))
 
@@ -101,7 +101,7 @@ Stack: $versions (benchmarks/device/stack.txt; the packages the GPU machine lack
 
 | step | result | seconds |
 |---|---|---|
-| tests/test_compat.py | passed | $compat_s |
+| tests/unit/test_compat.py | passed | $compat_s |
 | train.py, 2 ranks, ZeRO-3, 40 steps (torchrun, CPU) | $train_line | $train_s |
 | benchmarks/gpu_check.sh, SMOKE=1 (its default parts, CPU, tiny shapes) | every part ok | $check_s |
 | benchmarks/gpu_check.sh, SMOKE=1 PARTS="1 10" (the race where memory binds) | every part ok | $race_s |

@@ -2,7 +2,7 @@
 the hardware they name by the planner, and 2 steps of each run on CPU with its model shrunk to debug size and
 the digits in place of its data (the digits on a canvas for segmentation; every other key as the recipe sets
 it). The fine-tuning pairs (digits-probe then digits-finetune, digits-mae then digits-mae-finetune) run in
-tests/test_finetune.py and tests/test_task_training.py."""
+tests/integration/test_finetune.py and tests/integration/test_task_training.py."""
 import glob
 import json
 import os

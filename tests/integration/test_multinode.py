@@ -82,7 +82,7 @@ def test_slurm_hostlist_expansion():
     assert expand_hostlist("node7") == ["node7"]
 
 
-# accelerate's launcher trains in the default suite through tests/test_fault_injection.py's sigterm case
+# accelerate's launcher trains in the default suite through tests/integration/test_fault_injection.py's sigterm case
 @pytest.mark.parametrize("launcher", ["deepspeed", "torchrun", pytest.param("accelerate", marks=pytest.mark.slow)])
 def test_slurm_node_script_on_two_nodes(launcher, node_args, one_node, tmp_path):
     """launch/node.sh, as each sbatch script runs it through srun on every node, with the variables Slurm sets
@@ -135,7 +135,7 @@ def test_zeropp_hierarchical_partitioning_on_two_nodes_of_two_ranks(debug_args, 
     """ZeRO++'s hpZ on 2 torchrun nodes of 2 ranks: ds_configs/zero3pp.json's zero_hpz_partition_size "auto" is
     the 2 ranks per node, so each parameter's secondary partition stays within its node. The losses equal plain
     ZeRO-3's on 1 rank accumulating 4 micro-batches (the same samples per step). Its quantized weights and
-    gradients run CUDA kernels: refused on CPU (tests/test_bad_input.py), run by benchmarks/gpu_check.sh."""
+    gradients run CUDA kernels: refused on CPU (tests/integration/test_bad_input.py), run by benchmarks/gpu_check.sh."""
     template = json.loads((Path(REPO) / "ds_configs" / "zero3pp.json").read_text())
     template["zero_optimization"].update(zero_quantized_weights=False, zero_quantized_gradients=False)
     hpz = tmp_path / "hpz.json"

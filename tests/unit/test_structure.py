@@ -143,7 +143,7 @@ def test_every_bitwise_claim_in_the_docs_names_its_test():
     """Each paragraph of README.md and docs/ that says "bitwise" or "bit for bit" names a test file under tests/
     or a test function, and each one it names exists."""
     names = set()
-    for path in glob.glob(os.path.join(REPO, "tests", "*.py")):
+    for path in glob.glob(os.path.join(REPO, "tests", "**", "*.py"), recursive=True):
         names |= set(re.findall(r"^def (test_\w+)", open(path).read(), re.M))
     claims = 0
     for path in [os.path.join(REPO, "README.md"), *sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))]:
@@ -151,10 +151,22 @@ def test_every_bitwise_claim_in_the_docs_names_its_test():
             if not re.search(r"bitwise|bit for bit", paragraph, re.I):
                 continue
             claims += 1
-            files = re.findall(r"tests/(\w+\.py)", paragraph)
+            files = re.findall(r"tests/([\w/]+\.py)", paragraph)
             tests = re.findall(r"\b(test_\w+)\b(?!\.py)", paragraph)
             where = f"{os.path.relpath(path, REPO)}: {paragraph[:120]!r}"
             assert files or tests, f"names no test: {where}"
             assert all(os.path.exists(os.path.join(REPO, "tests", f)) for f in files), where
             assert all(t in names for t in tests), where
     assert claims >= 10
+
+
+def test_a_unit_test_cannot_start_a_process():
+    """tests/conftest.py's guard over tests/unit/: a subprocess or a fork here fails, so this folder stays in-process."""
+    import subprocess
+
+    import pytest
+
+    with pytest.raises(AssertionError, match="belongs in tests/integration"):
+        subprocess.run(["true"])
+    with pytest.raises(AssertionError, match="belongs in tests/integration"):
+        os.fork()

@@ -41,7 +41,7 @@ def steps_logged(run_dir):
         return 0
 
 
-# a whole job killed mid-run is also tests/test_fault_injection.py's kill-save, kill-eval and kill-export cases
+# a whole job killed mid-run is also tests/integration/test_fault_injection.py's kill-save, kill-eval and kill-export cases
 @pytest.mark.parametrize("victim", [pytest.param("job", marks=pytest.mark.slow), "rank 1"])
 def test_kill_9_mid_run_resumes_exactly(stage_runs, debug_args, tmp_path, victim):
     """kill -9 of the whole job, or of rank 1 alone (DeepSpeed's launcher then ends the job: it signals rank 0,
@@ -83,7 +83,7 @@ def test_kill_9_mid_run_resumes_exactly(stage_runs, debug_args, tmp_path, victim
 
 
 # torchrun's agent passes SIGTERM on as `accelerate launch --multi_gpu` (the same agent) does in
-# tests/test_fault_injection.py's sigterm case
+# tests/integration/test_fault_injection.py's sigterm case
 @pytest.mark.parametrize("launcher", ["deepspeed", pytest.param("torchrun", marks=pytest.mark.slow)])
 def test_sigterm_finishes_the_step_checkpoints_and_resumes_exactly(stage_runs, debug_args, tmp_path, launcher):
     """SIGTERM to every process of the job, as Slurm's scancel and Kubernetes send it (the launcher passes it on

@@ -52,7 +52,7 @@ def _counted_run(cmd, tmp_path, extra_env=None):
 
 def test_train_py_starts_its_steps_on_the_clock(debug_args, tmp_path):
     """The loop's time starts on the clock; each logging interval ends on its one read of the device, after
-    which the device has finished the interval's work (tests/test_syncs.py counts those reads)."""
+    which the device has finished the interval's work (tests/integration/test_syncs.py counts those reads)."""
     out = tmp_path / "run"
     _, calls = _counted_run([sys.executable, "train.py", *debug_args, "--max_steps", "4", "--eval_every", "0",
                              "--save_every", "0", "--output_dir", str(out)], tmp_path)

@@ -1,6 +1,6 @@
 """The FSDP2 engine (`engine: fsdp2`, engine/fsdp2.py) through train.py: the same steps as DeepSpeed's, exact and
 elastic resume from its DCP checkpoints, the export, and what it refuses. Every policy bitwise equal to `none` under
-it: tests/test_checkpointing.py."""
+it: tests/integration/test_checkpointing.py."""
 import json
 import re
 

@@ -7,7 +7,7 @@ import pytest
 from conftest import launch, read_metrics
 
 
-@pytest.mark.slow  # both launchers train in the default suite: tests/test_multinode.py's Slurm script per launcher
+@pytest.mark.slow  # both launchers train in the default suite: tests/integration/test_multinode.py's Slurm script per launcher
 def test_torchrun_matches_deepspeed_launcher(debug_args, tmp_path):
     """Two launchers, same ranks and seed: identical losses."""
     args = debug_args + ["--model", "vit-debug", "--zero_stage", "2", "--max_steps", "20", "--eval_every", "0"]
@@ -45,7 +45,7 @@ def test_accelerate_deepspeed_plugin_sets_the_stage(stage_runs, debug_args, tmp_
     assert [r["loss"] for r in read_metrics(run)] == [r["loss"] for r in read_metrics(stage_runs["vit-debug", stage])]
 
 
-@pytest.mark.slow  # its variables are read in tests/test_config.py; the engine's steps in tests/test_fsdp2.py
+@pytest.mark.slow  # its variables are read in tests/unit/test_config.py; the engine's steps in tests/integration/test_fsdp2.py
 def test_accelerate_fsdp_plugin_runs_the_fsdp2_engine(debug_args, tmp_path):
     """`accelerate launch --config_file accelerate_configs/fsdp2.yaml`, as accelerate users run FSDP2: the run takes
     the FSDP2 engine with resharding (zero_stage 3) and gives the losses a forked `--engine fsdp2` run gives."""
@@ -115,7 +115,7 @@ def test_grad_accumulation_on_one_rank_matches_two_ranks(stage_runs, debug_args,
 
 
 @pytest.mark.slow  # whether a worker outlives its rank depends on when the launcher kills it: the mechanism is
-# tested deterministically by tests/test_data.py::test_a_loader_worker_ends_with_its_rank
+# tested deterministically by tests/integration/test_data.py::test_a_loader_worker_ends_with_its_rank
 def test_a_failed_job_is_gone_when_its_launcher_returns(debug_args, tmp_path, monkeypatch):
     """Rank 1 of a deepspeed-launched job raises at its third step, with a loader worker per rank: when the
     launcher has returned, no process of the job is left (its ranks, their loader workers) and the master port

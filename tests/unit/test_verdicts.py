@@ -1,0 +1,148 @@
+"""The benchmarks' statistics and verdicts, in this process: paired ratios and their intervals, the verdict rules,
+the micro-batch race's choice. The harness end to end: tests/integration/test_benchmarks.py."""
+import pytest
+from benchmarks.report import compare, paired_ratio
+
+
+def _race_results(speeds: dict, peaks: dict, repeats: int) -> list:
+    """Jobs as train_bench records them: {config: images/s per repeat}, {config: peak MiB}."""
+    return [{"shape": "s", "run": name, "repeat": k, "images_per_sec": speeds[name][k],
+             "peak_alloc_bytes": [int(peaks[name] * 2**20)] * 2} for name in speeds for k in range(repeats)
+            if k < len(speeds[name])]
+
+
+def test_paired_ratio_cancels_drift_between_repeats():
+    # the machine slows by 2x over the repeats; within each repeat a is 1.1x b: the ratio is exactly 1.1
+    b = {k: 10.0 / (1 + k / 4) for k in range(5)}
+    a = {k: 1.1 * v for k, v in b.items()}
+    ratio, low, high, n, dropped = paired_ratio(a, b)
+    assert (n, dropped, round(ratio, 9), round(low, 9), round(high, 9)) == (5, 0, 1.1, 1.1, 1.1)
+    # noise widens the interval around the point; a repeat missing on one side is left out
+    a[2] *= 1.05
+    a[7] = 99.0
+    ratio, low, high, n, dropped = paired_ratio(a, b)
+    assert n == 5 and dropped == 1 and low < ratio < high and low >= 1.1 and high <= 1.1 * 1.05
+    assert paired_ratio({0: 1.0}, {1: 1.0}) is None
+
+
+def test_compare_reproduces_by_interval_overlap():
+
+    def row(config, speed, low, high, peak=100.0):
+        return {"shape": "s", "config": config, "speed_vs_fsdp2": speed, "speed_vs_fsdp2_low": low,
+                "speed_vs_fsdp2_high": high, "peak_alloc_mib": peak, "peak_alloc_mib_min": peak,
+                "peak_alloc_mib_max": peak, "recompute_flops_frac": 0.0, "ac_plan": "", "budget_gib": ""}
+
+    reference = [row("A", 1.00, 0.98, 1.02), row("B", 0.90, 0.88, 0.92), row("C", 0.80, 0.79, 0.81),
+                 row("D", 0.70, 0.69, 0.71)]
+    rerun = [row("A", 1.03, 1.01, 1.05), row("B", 0.95, 0.93, 0.97), row("C", 0.80, 0.79, 0.81, peak=110.0),
+             row("E", 0.70, 0.69, 0.71)]
+    lines, missed = compare(rerun, reference)
+    # A's intervals overlap; B's do not (a 5.6% move); C's speed agrees but its peak moved 10%; D is missing from
+    # the rerun and E from the reference
+    assert sorted(missed) == [("s", "B"), ("s", "C"), ("s", "D"), ("s", "E")]
+    assert lines[0].startswith("1 of 5 configurations reproduced")
+    assert any("| D | missing in the rerun |" in line for line in lines)
+
+
+def test_verdicts_read_the_interval():
+    from benchmarks.report import NOT_MEASURED, UNDECIDED, both, judged, render
+
+    assert judged((1.2, 1.12, 1.3), 1.10, at_least=True) is True
+    assert judged((1.2, 1.05, 1.3), 1.10, at_least=True) == UNDECIDED  # the point alone would say met
+    assert judged((1.0, 0.9, 1.05), 1.10, at_least=True) is False
+    assert judged((1.05, 1.0, 1.08), 1.10, at_least=False) is True
+    assert judged((1.05, 1.0, 1.12), 1.10, at_least=False) == UNDECIDED
+    assert both(True, UNDECIDED) == UNDECIDED and both(UNDECIDED, False) is False and both(True, True) is True
+    assert both(True, NOT_MEASURED) == NOT_MEASURED
+    assert [render(v) for v in (True, False, NOT_MEASURED)] == ["yes", "**missed**", "not measured"]
+
+
+def test_a_ratio_from_too_few_pairs_is_not_measured_and_its_dropped_repeats_are_shown():
+    """The input that once collapsed to a verdict: two of three repeats dropped (a value <= 0, a repeat on one
+    side only) left one pair, whose bootstrap "interval" is its point, judged met against 1.10."""
+    from benchmarks.report import MIN_REPEATS, NOT_MEASURED, fmt_ratio, judged
+
+    r = paired_ratio({0: 1.2, 1: 0.0, 2: 5.0}, {0: 1.0, 1: 1.0})
+    assert (r.n, r.dropped) == (1, 2) and r.low == r.high == pytest.approx(1.2)
+    assert judged(r, 1.10, at_least=True) == NOT_MEASURED and judged(None, 1.10, at_least=True) == NOT_MEASURED
+    assert fmt_ratio(r) == "1.200 [1.200, 1.200] (1 pairs, 2 repeats dropped)"
+    enough = paired_ratio({k: 1.2 for k in range(MIN_REPEATS)}, {k: 1.0 for k in range(MIN_REPEATS)})
+    assert judged(enough, 1.10, at_least=True) is True and fmt_ratio(enough) == "1.200 [1.200, 1.200]"
+
+
+def test_auto_is_judged_not_slower_on_its_paired_interval_not_on_the_fixed_policys_slowest_repeat():
+    """The input the old rule passed: auto's median (0.95 img/s) above the fixed policy's slowest repeat (0.93),
+    while in every repeat but that one auto is 5% slower: its paired interval lies wholly below 1."""
+    from benchmarks.report import NOT_MEASURED, not_slower, speed_ratio
+
+    results = _race_results({"auto": [0.95, 0.96, 0.94, 0.95, 0.95], "fixed": [1.0, 1.01, 0.99, 1.0, 0.93]},
+                            {"auto": 10, "fixed": 10}, 5)
+    r = speed_ratio(results, "s", "auto", "fixed")
+    assert r.high < 1.0 and not_slower(r) is False
+    level = _race_results({"auto": [1.0, 0.97, 1.02, 0.99, 1.01], "fixed": [1.0, 1.0, 1.0, 1.0, 1.0]},
+                          {"auto": 10, "fixed": 10}, 5)
+    r = speed_ratio(level, "s", "auto", "fixed")
+    assert r.low < 1.0 < r.high and not_slower(r) is True  # within the noise: not slower
+    assert not_slower(speed_ratio(level[:2] + level[5:7], "s", "auto", "fixed")) == NOT_MEASURED  # 2 pairs
+
+
+def test_a_figure_not_measured_is_absent_not_zero():
+    """The activation and step-peak figures come from the CPU profiler's timeline: a GPU job records None, and
+    the row leaves them empty instead of writing 0 as if measured."""
+    from benchmarks.report import median_mib, mib
+
+    cpu = [{"activation_bytes": [3 * 2**20, 4 * 2**20]}, {"activation_bytes": [5 * 2**20, 2 * 2**20]}]
+    gpu = [{"activation_bytes": [None, None], "device": "cuda"}]
+    assert median_mib([{"activation_bytes": [0], "device": "cuda"}], "activation_bytes") == ""  # an older GPU job
+    assert median_mib(cpu, "activation_bytes") == 4.5 and median_mib(gpu, "activation_bytes") == ""
+    assert mib(median_mib(gpu, "activation_bytes")) == "" and mib(4.5) == "4"
+
+
+def test_micro_race_confirms_the_fastest_that_fit_and_judges_them_on_the_confirmation_repeats():
+    from benchmarks.race import budgets, finalists, race_rows, race_targets
+    from benchmarks.suites import Shape, Suite, fsdp2, micro_race, zero
+
+    shape = Shape("m", 16, 0, 4, "s")
+    suite = Suite(shapes=[shape], runs={"*": micro_race([fsdp2("none"), fsdp2("hf:full"), fsdp2("hf:every_n:2"),
+                                                         *zero(3, "selective")], [2, 4])},
+                  global_batch=8, targets_shape="m")
+    peaks = {"FSDP2 + none @ micro 2": 60, "FSDP2 + none @ micro 4": 100, "FSDP2 + HF full AC @ micro 2": 15,
+             "FSDP2 + HF full AC @ micro 4": 20, "FSDP2 + HF AC every 2 @ micro 2": 30,
+             "FSDP2 + HF AC every 2 @ micro 4": 50, "ZeRO-3 + selective @ micro 2": 40,
+             "ZeRO-3 + selective @ micro 4": 55}
+    # budgets from HF full AC's peak to plain FSDP2's, at the largest micro-batch: 20, 40, 60, 80, 100
+    assert [b for _, b in budgets(suite, shape, peaks)] == [20, 40, 60, 80, 100]
+    screen = {"FSDP2 + none @ micro 2": [10], "FSDP2 + none @ micro 4": [14], "FSDP2 + HF full AC @ micro 2": [6],
+              "FSDP2 + HF full AC @ micro 4": [9], "FSDP2 + HF AC every 2 @ micro 2": [7],
+              "FSDP2 + HF AC every 2 @ micro 4": [8], "ZeRO-3 + selective @ micro 2": [11],
+              "ZeRO-3 + selective @ micro 4": [13]}
+    results = _race_results(screen, peaks, 1)
+    # per budget, each side's two fastest that fit: every-2 at micro 4 (8 img/s, 50 MiB) is never among them
+    # (at 60 MiB: none@2's 10 and full@4's 9); the two that set the budgets always are
+    assert finalists(suite, shape, results) == set(peaks) - {"FSDP2 + HF AC every 2 @ micro 4"}
+    # the confirmation repeats judge: selective@4 against plain none@2 at the midpoint, paired per repeat; the
+    # screening repeat's 13/10 is not among them
+    confirm = {k: v + [v[0]] * 5 for k, v in screen.items()}
+    confirm["ZeRO-3 + selective @ micro 4"] = [13, 12, 12.5, 12, 13, 12.5]
+    confirm["FSDP2 + none @ micro 2"] = [10, 10, 10, 10, 10, 10]
+    results = _race_results(confirm, peaks, 6)
+    rows = [{"shape": "s", "config": k, "images_per_sec": 1.0, "peak_alloc_mib": v} for k, v in peaks.items()]
+    mid = next(e for e in race_rows(suite, rows, results) if e["fraction"] == 0.5)
+    assert (mid["plain"], mid["ours"], mid["budget_mib"]) == ("FSDP2 + none @ micro 2", "ZeRO-3 + selective @ micro 4",
+                                                              60)
+    ratio = mid["ours_ratio"]
+    assert ratio[3] == 5 and ratio[0] == pytest.approx((12 * 12.5 * 12 * 13 * 12.5) ** 0.2 / 10)
+    (name, verdict, figures), = race_targets(suite, rows, results)
+    assert verdict is True and "ZeRO-3 + selective @ micro 4" in figures  # 1.24x, its interval above 1.15
+    # a budget nothing of this project fits: the lowest
+    low = next(e for e in race_rows(suite, rows, results) if e["fraction"] == 0.0)
+    assert low["ours"] is None and low["plain"] == "FSDP2 + HF full AC @ micro 4"
+
+
+def test_a_micro_batch_that_does_not_divide_the_global_batch_is_refused():
+    from benchmarks.suites import Run, Shape, Suite, micro_and_accum
+
+    suite = Suite(shapes=[], runs={}, global_batch=64, ranks=2)
+    assert micro_and_accum(suite, Shape("m", 16, 0, 4, "s"), Run("fsdp2", "none", micro=8)) == (8, 4)
+    with pytest.raises(ValueError, match="do not divide the global batch 64"):
+        micro_and_accum(suite, Shape("m", 16, 0, 4, "s"), Run("fsdp2", "none", micro=12))
