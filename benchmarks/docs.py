@@ -505,12 +505,16 @@ def planner_line(doc: str) -> str:
     cpu = rows_of("cpu")
     host = rows_of("host") + rows_of("race")
     within = sum(abs(r["step_error"]) <= STEP_TOLERANCE for r in host)
+    reprobed = any(c.get("host_replaces_run") for suite in ("host", "race") for c in json.load(open(os.path.join(
+        report_dir(suite), "calibration.json"))).values())
+    probe = ("the host probed at validation, in place of the runs' own probes ([why](benchmarks/results/"
+             "planner-analysis/2026-12-03.md))" if reprobed else "the runs' own host probe")
     _, date, errors = h200_planner_errors()
     return (f"- **Plan before you run** ([planner](docs/planner.md)): on the compute-bound `cpu` suite, peaks "
             f"{pct1(1 + min(r['peak_error'] for r in cpu))} to {pct1(1 + max(r['peak_error'] for r in cpu))} and "
             f"calibrated steps {pct1(1 + min(r['step_error'] for r in cpu))} to "
             f"{pct1(1 + max(r['step_error'] for r in cpu))} of the measured; host-bound steps within "
-            f"{STEP_TOLERANCE:.0%} in {within} of {len(host)} rows with the runs' own host probe (the host-bound peaks"
+            f"{STEP_TOLERANCE:.0%} in {within} of {len(host)} rows with {probe} (the host-bound peaks"
             f", tens of MiB, {pct(1 + min(r['peak_error'] for r in host))} to "
             f"{pct(1 + max(r['peak_error'] for r in host))}); on one H200 ({date}) at ViT-L/16's micro-batch 256, "
             f"peaks {pct1(1 + min(e[0] for e in errors.values()))} to {pct1(1 + max(e[0] for e in errors.values()))}"

@@ -12,6 +12,7 @@ import pytest
 from conftest import REPO
 
 
+# slow (~3 min): the harness end to end; its statistics and verdicts: tests/unit/test_verdicts.py
 @pytest.mark.slow
 def test_cpu_smoke_suite(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "benchmarks.train_bench", "--suite", "cpu-smoke", "--out", str(tmp_path)],
@@ -80,6 +81,7 @@ def test_cpu_smoke_suite(tmp_path):
             assert f"| {r['config']} | {float(r['planned_peak_mib']):.1f} |" in planner, r["config"]
 
 
+# slow (~2 min): the race's harness end to end; its choice of finalists and its verdicts: tests/unit/test_verdicts.py
 @pytest.mark.slow
 def test_race_smoke_suite(tmp_path):
     """The micro-batch race end to end: every configuration screened once, the finalists confirmed, each job
@@ -104,6 +106,7 @@ def test_race_smoke_suite(tmp_path):
     assert (tmp_path / "race.png").stat().st_size > 20_000
 
 
+# slow (~1 min): trainer_check end to end; the worker's timed steps: tests/integration/test_timing.py
 @pytest.mark.slow
 def test_trainer_check_smoke(tmp_path):
     """train.py and the worker on one configuration each, end to end: both sides measured, the ratio taken from
@@ -136,6 +139,8 @@ def test_worker_refuses_a_job_without_timed_steps(tmp_path):
     assert not (tmp_path / "r.json").exists()
 
 
+# slow: the worker against train.py over a whole run; train.py's FSDP2 against DeepSpeed step by step:
+# tests/integration/test_fsdp2.py
 @pytest.mark.slow
 def test_convergence_fsdp2_worker_trains_what_train_py_trains(tmp_path, debug_args):
     """The convergence benchmark's FSDP2 worker reads the same batches, draws the same augmentation and starts
@@ -159,6 +164,8 @@ def test_convergence_fsdp2_worker_trains_what_train_py_trains(tmp_path, debug_ar
     assert 0 <= summary["val_top1"] <= 1 and summary["step"] == 3
 
 
+# slow (~1 min): the task-memory harness; the planner against a measured run:
+# tests/integration/test_planner.py::test_the_planner_predicts_a_run_no_suite_measures
 @pytest.mark.slow
 def test_task_memory_measures_each_job_and_predicts_it_again(tmp_path):
     """benchmarks/task_memory.py --quick (two tiny 2-rank jobs, MAE and UperNet) and --report_only: each row has a

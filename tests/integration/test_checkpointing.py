@@ -67,6 +67,7 @@ def test_every_policy_matches_none_bitwise_under_zero(stage, tmp_path):
         assert compat_found["local_dir_max_rel_diff"] < 1e-6
 
 
+# ZeRO-3 under tensor parallelism: slow; the default run has ZeRO-1 under it, and ZeRO-3 and FSDP2 without it (above)
 @pytest.mark.parametrize("stage", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_every_policy_matches_none_bitwise_under_tensor_parallelism(stage, tmp_path):
     """The same 4 steps on 2 ranks as one tensor group (tp_size 2, vit-debug): every policy's losses and the

@@ -82,7 +82,8 @@ def test_slurm_hostlist_expansion():
     assert expand_hostlist("node7") == ["node7"]
 
 
-# accelerate's launcher trains in the default suite through tests/integration/test_fault_injection.py's sigterm case
+# accelerate's launcher trains in the default suite: tests/integration/test_launchers.py::test_accelerate_launch_two_ranks
+# and its DeepSpeed plugin's case
 @pytest.mark.parametrize("launcher", ["deepspeed", "torchrun", pytest.param("accelerate", marks=pytest.mark.slow)])
 def test_slurm_node_script_on_two_nodes(launcher, node_args, one_node, tmp_path):
     """launch/node.sh, as each sbatch script runs it through srun on every node, with the variables Slurm sets

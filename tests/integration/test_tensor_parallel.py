@@ -176,6 +176,7 @@ def test_unshard_joins_split_weights_and_checks_replicas():
         unshard("fc.weight", [w[:3, :2], w[3:, 2:]], (6, 4))
 
 
+# slow (two 2-rank loopback nodes, most of a minute): TP on one node is the default run's (the cases above)
 @pytest.mark.slow
 def test_tensor_and_data_parallel_on_two_nodes_of_two_ranks(debug_args, tmp_path):
     """2-D: 2 torchrun nodes of 2 ranks, each node one tensor group (TP 2), the nodes data-parallel under ZeRO-3,
