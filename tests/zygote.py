@@ -19,7 +19,6 @@ import importlib.util
 import json
 import os
 import sys
-import traceback
 
 # train.py and what its ranks import while they run (DeepSpeed at the process group's start, matplotlib on rank 0)
 PRELOAD = ("train", "deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer", "torch.utils.tensorboard",
@@ -60,8 +59,8 @@ def rank(request: dict):
         else:
             print(e.code, file=sys.stderr)
             code = 1
-    except BaseException:
-        traceback.print_exc()
+    except BaseException:  # as the interpreter ends on an uncaught exception: through sys.excepthook (fail_fast's)
+        sys.excepthook(*sys.exc_info())
         code = 1
     finally:
         sys.stdout.flush()

@@ -211,7 +211,7 @@ def test_a_two_rank_run_logs_to_mlflow_and_wandb_and_survives_a_server_restart(d
 def test_kill_9_and_resume_continue_the_same_tracked_run(debug_args, mlflow_server, tmp_path):
     """kill -9 of the whole job after its step-30 checkpoint, then --resume latest on ONE rank: tracking.json's
     run continues (the same MLflow run, FINISHED, its metrics those of metrics.jsonl); a fresh output folder
-    makes a new run, which with log_model gets the exported model."""
+    makes a new run, which with log_model gets the exported model; a run whose rank raises ends FAILED."""
     run = tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env.pop("RANK", None)
@@ -243,6 +243,13 @@ def test_kill_9_and_resume_continue_the_same_tracked_run(debug_args, mlflow_serv
     assert other_id != run_id
     sent = {a.path: a.file_size for a in client.list_artifacts(other_id, "hf_model")}
     assert sent["hf_model/model.safetensors"] == (other / "hf_model" / "model.safetensors").stat().st_size
+
+    failed = tmp_path / "failed"  # a rank that raises: fail-fast marks the run FAILED on its way out
+    proc = launch(args[:-1] + [failed, "--max_steps", 4, "--eval_every", 0, "--save_every", 0], nproc=1,
+                  faults={"RAISE": "0:2"}, check=False)
+    assert proc.returncode != 0
+    failed_id = json.loads((failed / "tracking.json").read_text())["mlflow"]["run_id"]
+    assert client.get_run(failed_id).info.status == "FAILED"
 
 
 # slow (~35 s): a whole two-trial study; the default run checks train.py's MLflow runs themselves
