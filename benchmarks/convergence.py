@@ -4,12 +4,10 @@
     .venv/bin/python -m benchmarks.convergence              # ~25 min on 2 cores
     .venv/bin/python -m benchmarks.convergence --report_only
 
-DeepSpeed runs are `train.py` itself under torchrun. FSDP2 runs are this file's worker (`--fsdp2_worker`) under
-torchrun: the same config keys, shards, augmentation (`TrainTransform`, `mix_batch`), uint8 batches normalised
-on the device, per-slot seeding, loss, learning-rate schedule and `evaluate` as train.py, stepped by the
-benchmark's FSDP2 (`bench_worker.FSDP2Step`: fully_shard per block and on the root, fused AdamW, gradient
-clipping). Writes benchmarks/results/convergence/: runs.jsonl (each run's per-step losses and accuracy),
-results.md (val top-1 mean and standard deviation per engine) and curves.png (the loss curves).
+Every run is `train.py` itself under torchrun, the FSDP2 ones with `--engine fsdp2` (the recipe's `zero_stage` 2:
+FSDP2 without resharding after the forward, ZeRO-2's analogue). Writes benchmarks/results/convergence/:
+runs.jsonl (each run's per-step losses and accuracy), results.md (val top-1 mean and standard deviation per
+engine) and curves.png (the loss curves).
 """
 import argparse
 import datetime
@@ -23,80 +21,19 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = "configs/digits-vit.yaml"
-# (label, train.py overrides; engine fsdp2 runs the worker below)
+# (label, engine, train.py overrides)
 RUNS = [("DeepSpeed ZeRO-2 + none", "deepspeed", ["--zero_stage", "2", "--ac", "none"]),
         ("DeepSpeed ZeRO-3 + selective", "deepspeed", ["--zero_stage", "3", "--ac", "selective"]),
-        ("FSDP2 + none", "fsdp2", ["--ac", "none"])]
+        ("FSDP2 + none", "fsdp2", ["--engine", "fsdp2", "--zero_stage", "2", "--ac", "none"])]
 SEEDS = (0, 1, 2)
 SMOOTH = 25  # steps in the plot's moving average
-
-
-def fsdp2_worker(argv):
-    """One FSDP2 run of a train.py config: writes metrics.jsonl (per-step loss) and summary.json like train.py."""
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
-    from benchmarks.bench_worker import FSDP2Step, Spec
-    from config import parse
-    from data.loader import ShardStream, TrainLoader, eval_batches
-    from data.shards import parse_spec
-    from data.transforms import EvalTransform, Normalize, TrainTransform, mix_batch
-    from engine.distributed import dist_env, exit_distributed, flush_cpu_denormals
-    from models import build_model
-    from engine.evaluation import evaluate
-
-    cfg = parse(argv)
-    if cfg.grad_accum_steps != 1:
-        sys.exit("error: the FSDP2 worker steps once per micro-batch: grad_accum_steps must be 1")
-    rank, world_size, _, _ = dist_env()
-    dist.init_process_group("gloo")
-    flush_cpu_denormals()  # as train.py's init_distributed
-    device = torch.device("cpu")
-    train_sources, val_sources = parse_spec(cfg.train_shards, "train_shards"), parse_spec(cfg.val_shards, "val_shards")
-    model, processor = build_model(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size,
-                                   train_sources[0].class_names, seed=cfg.seed, drop_path=cfg.drop_path)
-    torch.manual_seed(cfg.seed)
-    step_fn = FSDP2Step(model, cfg, Spec(engine="fsdp2", ac=cfg.ac))
-    stream = ShardStream(train_sources, mode=cfg.data_mode, rank=rank, world_size=world_size, num_labels=cfg.num_labels,
-                         num_workers=cfg.num_workers, micro_batch_size=cfg.micro_batch_size,
-                         shuffle_buffer=cfg.shuffle_buffer, grad_accum_steps=1, streams=cfg.data_streams, seed=cfg.seed,
-                         transform=TrainTransform(processor, cfg.crop_scale_min, cfg.hflip, cfg.randaug_n,
-                                                  cfg.randaug_m))
-    batches, normalize = TrainLoader(stream, cfg.num_workers), Normalize(processor)
-    os.makedirs(cfg.output_dir, exist_ok=True)
-    log = open(os.path.join(cfg.output_dir, "metrics.jsonl"), "w") if rank == 0 else None
-    start = time.perf_counter()
-    for step in range(1, cfg.max_steps + 1):
-        images, labels, _ = next(batches)
-        images, labels = normalize(images.to(device)), labels.to(device)
-        slot_seed = hash((cfg.seed, step, rank)) % 2**63  # train.py's per-slot seeding
-        torch.manual_seed(slot_seed)
-        images, targets = mix_batch(images, labels, cfg.num_labels, cfg.mixup, cfg.cutmix,
-                                    torch.Generator().manual_seed(slot_seed))
-        loss = F.cross_entropy(step_fn.model(images).logits.float(), targets, label_smoothing=cfg.label_smoothing)
-        step_fn.backward_step(loss)
-        loss = loss.detach()
-        dist.all_reduce(loss)
-        if log:
-            log.write(json.dumps({"step": step, "loss": loss.item() / world_size}) + "\n")
-    seconds = time.perf_counter() - start
-    val = lambda: eval_batches(val_sources, EvalTransform(processor), cfg.micro_batch_size, rank, world_size)  # noqa: E731
-    result = evaluate(step_fn.model, val(), normalize, torch.float32, device, cfg, rank, world_size)
-    if log:
-        log.close()
-        with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
-            json.dump({"step": cfg.max_steps, "val_top1": result.metrics["top1"], "val_top5": result.metrics["top5"],
-                       "images_per_sec": cfg.max_steps * cfg.micro_batch_size * world_size / seconds}, f)
-    exit_distributed(0)
 
 
 def run_one(label: str, engine: str, overrides: list, seed: int, tmp: str) -> dict:
     out = os.path.join(tmp, f"{engine}-{len(os.listdir(tmp))}")
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    script = ["train.py"] if engine == "deepspeed" else ["-m", "benchmarks.convergence", "--fsdp2_worker"]
     cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(29500 + seed + 10 * len(os.listdir(tmp))),
-           *script, "--config", RECIPE, "--seed", str(seed), "--output_dir", out, "--progress", "false", *overrides]
+           "train.py", "--config", RECIPE, "--seed", str(seed), "--output_dir", out, "--progress", "false", *overrides]
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // 2)), DS_ACCELERATOR="cpu",
                PYTHONWARNINGS="ignore")
     start = time.perf_counter()
@@ -185,7 +122,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    if "--fsdp2_worker" in sys.argv:
-        fsdp2_worker([a for a in sys.argv[1:] if a != "--fsdp2_worker"])
-    else:
-        main()
+    main()

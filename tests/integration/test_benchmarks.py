@@ -139,31 +139,6 @@ def test_worker_refuses_a_job_without_timed_steps(tmp_path):
     assert not (tmp_path / "r.json").exists()
 
 
-# slow: the worker against train.py over a whole run; train.py's FSDP2 against DeepSpeed step by step:
-# tests/integration/test_fsdp2.py
-@pytest.mark.slow
-def test_convergence_fsdp2_worker_trains_what_train_py_trains(tmp_path, debug_args):
-    """The convergence benchmark's FSDP2 worker reads the same batches, draws the same augmentation and starts
-    from the same weights as train.py: the first step's loss is train.py's (summation order aside), and the
-    next steps stay within AdamW implementations' rounding."""
-    from conftest import free_port, launch, read_metrics
-
-    args = debug_args + ["--max_steps", "3", "--zero_stage", "2", "--eval_every", "0", "--save_every", "0"]
-    launch(args + ["--output_dir", tmp_path / "ds"], launcher="torchrun")
-    proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2",
-                           "--master_port", str(free_port()), "-m", "benchmarks.convergence", "--fsdp2_worker", *map(str, args),
-                           "--output_dir", str(tmp_path / "fsdp2")], cwd=REPO, capture_output=True, text=True,
-                          timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ours = [r["loss"] for r in read_metrics(tmp_path / "ds")]
-    theirs = [r["loss"] for r in read_metrics(tmp_path / "fsdp2")]
-    assert len(ours) == len(theirs) == 3
-    assert theirs[0] == pytest.approx(ours[0], rel=1e-6)
-    assert theirs == pytest.approx(ours, rel=1e-4)
-    summary = json.loads((tmp_path / "fsdp2" / "summary.json").read_text())
-    assert 0 <= summary["val_top1"] <= 1 and summary["step"] == 3
-
-
 # slow (~1 min): the task-memory harness; the planner against a measured run:
 # tests/integration/test_planner.py::test_the_planner_predicts_a_run_no_suite_measures
 @pytest.mark.slow
