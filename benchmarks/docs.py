@@ -618,13 +618,35 @@ def clean_clone(doc: str) -> str:
             f"([timings]({link(folder, doc)})):")
 
 
+def faults_line(doc: str) -> str:
+    """README: the fault-injection reports' totals (benchmarks.fault_injection's episodes.jsonl), per engine."""
+    parts = []
+    for sub, engine in (("faults", "DeepSpeed"), ("faults-fsdp2", "FSDP2")):
+        folder = report_dir(sub)
+        episodes = runs_of_file(os.path.join(folder, "episodes.jsonl"))
+        date = re.search(r"\d{4}-\d\d-\d\d", open(os.path.join(folder, "report.md")).readline()).group(0)
+        losses = [e for e in episodes if e.get("losses_equal") is not None]
+        weights = [e for e in episodes if e.get("weights_equal") is not None]
+        parts.append(f"{engine}: {len(episodes)} episodes of {len({e['kind'] for e in episodes})} kinds "
+                     f"([report]({link(folder, doc)}), {date}{stale_note(folder)}), {sum(bool(e['finished']) for e in episodes)}"
+                     f" finished, losses equal to the uninterrupted run in {sum(bool(e['losses_equal']) for e in losses)}"
+                     f" of {len(losses)} compared, weights in {sum(bool(e['weights_equal']) for e in weights)} of "
+                     f"{len(weights)}, {sum(bool(e['lost']) for e in episodes)} with anything lost")
+    return "Measured: " + "; ".join(parts) + "."
+
+
+def runs_of_file(path: str) -> list:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 RENDERERS = {"policy-table": policy_table, "h200-table": h200_table, "h200-line": h200_line,
              "async-save": async_save, "trainer-line": trainer_line, "planner-suites": planner_suites,
              "benchmark-lines": benchmark_lines, "ac-costs": ac_costs, "light-figures": light_figures,
              "equal-policy": equal_policy, "planner-cpu-rows": planner_cpu_rows, "planner-h200": planner_h200,
              "task-memory": task_memory, "planner-line": planner_line, "digits-tasks": digits_tasks,
              "scaling": scaling, "ds-tuning": ds_tuning,
-             "clean-clone": clean_clone}
+             "clean-clone": clean_clone, "faults-line": faults_line}
 
 
 # ----------------------------------------------------------------------------- the command
