@@ -11,7 +11,6 @@ marked stale in its header (`--stale`: a line `**Stale** since <commit>: <why>` 
 measured path changed after it ran; the CHANGELOG says so too. tests/unit/test_docs_figures.py runs `--check`.
 """
 import argparse
-import csv
 import functools
 import json
 import os
@@ -640,13 +639,28 @@ def runs_of_file(path: str) -> list:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def convergence_line(doc: str) -> str:
+    """README: the digits job to the end per engine (benchmarks.convergence's runs), val top-1 mean ± std."""
+    folder = report_dir("convergence")
+    results, env = runs(folder), json.load(open(os.path.join(folder, "environment.json")))
+    cells = []
+    for label in dict.fromkeys(r["config"] for r in results):
+        top1 = [r["val_top1"] for r in results if r["config"] == label]
+        cells.append(f"{label} {statistics.fmean(top1):.2%} ± {statistics.stdev(top1):.2%}")
+    seeds = len({r["seed"] for r in results})
+    return (f"- **Convergence** ([report]({link(folder, doc, 'results.md')}), {env['date']}{stale_note(folder)}): the "
+            f"digits job to the end, {seeds} seeds each, val top-1 mean ± standard deviation: " + "; ".join(cells) +
+            ".")
+
+
 RENDERERS = {"policy-table": policy_table, "h200-table": h200_table, "h200-line": h200_line,
              "async-save": async_save, "trainer-line": trainer_line, "planner-suites": planner_suites,
              "benchmark-lines": benchmark_lines, "ac-costs": ac_costs, "light-figures": light_figures,
              "equal-policy": equal_policy, "planner-cpu-rows": planner_cpu_rows, "planner-h200": planner_h200,
              "task-memory": task_memory, "planner-line": planner_line, "digits-tasks": digits_tasks,
              "scaling": scaling, "ds-tuning": ds_tuning,
-             "clean-clone": clean_clone, "faults-line": faults_line}
+             "clean-clone": clean_clone, "faults-line": faults_line,
+             "convergence-line": convergence_line}
 
 
 # ----------------------------------------------------------------------------- the command
