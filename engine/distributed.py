@@ -197,11 +197,13 @@ class Heartbeat:
         return self.watch_store
 
     def beat(self, what: str):
-        """Where this rank is now. A step ("step N") is kept here and the watchdog writes it to the store at its
-        next poll (at most once a second), so that the loop's steps make no round trip to the store; anything else
-        (evaluating, saving, loading) is written at once."""
+        """Where this rank is now. A step ("step N") that follows another step is kept here and the watchdog writes
+        it to the store at its next poll (at most once a second), so that the loop's steps make no round trip to the
+        store; anything else (evaluating, saving, loading, and the first step after them) is written at once, so that
+        the store never says a rank is still setting up once it has stepped."""
+        is_step = lambda w: w is not None and re.fullmatch(r"step \d+", w) is not None  # noqa: E731
         self.what, self.since = what, time.monotonic()
-        if not re.fullmatch(r"step \d+", what):
+        if not (is_step(what) and is_step(self.written)):
             self.publish(self.store)
 
     def publish(self, store):
