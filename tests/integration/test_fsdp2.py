@@ -34,7 +34,7 @@ def test_fsdp2_steps_as_deepspeed_does(debug_args, tmp_path, extra):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), a["step"]
 
 
-def test_fsdp2_resumes_exactly_on_any_number_of_ranks(debug_args, tmp_path):
+def test_fsdp2_resumes_exactly_on_two_ranks_and_on_one(debug_args, tmp_path):
     """ZeRO-3's analogue (resharding after forward) with an EMA: a resume from the step-5 DCP checkpoint on 2
     ranks and on 1 rank accumulating 2 micro-batches continues the run bitwise (losses, exported weights), and the
     export equals the checkpoint's weights bitwise; HSDP's 2-D mesh too (below)."""

@@ -142,19 +142,35 @@ def test_nothing_edits_sys_path():
 # a claim of exactness: "bitwise", "bit for bit", "exact(ly)", "equal(s)" (not "equal policy" or "equal
 # micro-batch", the benchmarks' names for a comparison's conditions)
 CLAIMS = r"bitwise|bit for bit|\bexact(ly)?\b|\bequals?\b(?! (policy|micro-batch))"
+# a claim of coverage: "under every ZeRO stage", "on each engine", "any number of ranks" (what was run), not a
+# description ("every stage of Swin", "for each ZeRO stage the probe ...")
+COVERAGE = (r"\b(under|at|on|across|in) (every|any|each|all) (`?ac`? )?(polic(y|ies)|ZeRO stages?|launchers?|tasks?|"
+            r"engines?|precisions?|stages? and)\b|\b(any|every) number of ranks\b")
+# a stated bound of this project's behaviour: "within 5%", "within 6 s", "within seconds"
+BOUNDS = r"\bwithin (about )?[\d.,]+ ?(%|s\b|ms\b|seconds?\b|minutes?\b)|\bwithin (seconds|a second)\b"
 
 
-def test_every_bitwise_claim_in_the_docs_names_its_test():
-    """Each paragraph of README.md and docs/ that claims exactness ("bitwise", "bit for bit", "exact", "equal")
-    names a test file under tests/ or a test function, and each one it names exists."""
+def claims_in(prose: str) -> bool:
+    """Whether a paragraph claims exactness, coverage or a bound. A sentence that states a target ("Target: within
+    5%") defines a verdict, whose computation tests/unit/test_verdicts.py tests; it claims nothing."""
+    sentences = [s for s in re.split(r"(?<=\.)\s+", prose) if not re.search(r"\btargets?\b", s, re.I)]
+    return bool(re.search(CLAIMS, prose, re.I)) or any(re.search(f"{COVERAGE}|{BOUNDS}", s, re.I) for s in sentences)
+
+
+def test_every_claim_in_the_docs_names_its_test():
+    """Each paragraph of README.md and docs/ that claims exactness ("bitwise", "bit for bit", "exact", "equal"),
+    coverage ("under every ZeRO stage", "any number of ranks") or a bound ("within 5%") names a test file under
+    tests/ or a test function, and each one it names exists. Figure blocks (measurements, rendered from reports)
+    and code blocks (commands, their output) are not prose."""
     names = set()
     for path in glob.glob(os.path.join(REPO, "tests", "**", "*.py"), recursive=True):
         names |= set(re.findall(r"^def (test_\w+)", open(path).read(), re.M))
     claims = 0
     for path in [os.path.join(REPO, "README.md"), *sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))]:
         prose = re.sub(r"<!-- figures: [\w-]+ -->\n.*?<!-- /figures -->", "", open(path).read(), flags=re.S)
-        for paragraph in re.split(r"\n\s*\n", prose):  # figure blocks are measurements, rendered from reports
-            if not re.search(CLAIMS, paragraph, re.I):
+        prose = re.sub(r"^```.*?^```", "", prose, flags=re.S | re.M)
+        for paragraph in re.split(r"\n\s*\n", prose):
+            if not claims_in(paragraph):
                 continue
             claims += 1
             files = re.findall(r"tests/([\w/]+\.py)", paragraph)
@@ -164,6 +180,14 @@ def test_every_bitwise_claim_in_the_docs_names_its_test():
             assert all(os.path.exists(os.path.join(REPO, "tests", f)) for f in files), where
             assert all(t in names for t in tests), where
     assert claims >= 10
+
+
+def test_the_claims_rule_reads_coverage_and_bounds_and_not_targets_or_descriptions():
+    assert claims_in("DeepSpeed skips such a step under every ZeRO stage and precision.")
+    assert claims_in("A checkpoint resumes on any number of ranks.")
+    assert claims_in("An exception ends the job within seconds.") and claims_in("It agrees within 5% of the run.")
+    assert not claims_in("Target: within 5% either way.") and not claims_in("Swin needs every stage a window wide.")
+    assert not claims_in("For each ZeRO stage the probe fits a line.")
 
 
 def test_a_unit_test_cannot_start_a_process():
