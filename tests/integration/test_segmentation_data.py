@@ -24,8 +24,13 @@ def png(array, mode="L") -> bytes:
 
 
 def test_writer_digits_seg_labels_each_digits_ink(digits_seg):
-    """digits-seg: 1797 canvases, each sample an image and a mask of its size; the mask labels a digit's inked
-    pixels 1 + the digit and nothing else (background 0), and every canvas holds at least one digit."""
+    """digits-seg: 1797 canvases, each sample an image and a mask of its size. Checked against scikit-learn's
+    digits themselves, not the writer's formula: canvas i shows digit i (its 8x8 image, upscaled 2x, in one 16x16
+    cell) and labels that cell 1 + its class and nothing else; unlit pixels are background, strongly lit ones
+    (>= half of full ink) labelled; each cell holds one label; every class turns up."""
+    from sklearn.datasets import load_digits
+
+    sk = load_digits()
     info = json.loads((digits_seg / "_info.json").read_text())
     assert info["task"] == "segmentation" and info["ignore_index"] == IGNORE_INDEX
     assert info["class_names"] == ["background"] + [str(d) for d in range(10)] and info["num_classes"] == 11
@@ -36,8 +41,16 @@ def test_writer_digits_seg_labels_each_digits_ink(digits_seg):
                 assert set(s) == {"png", "seg.png"}, s.keys()
                 image, mask = (np.asarray(Image.open(io.BytesIO(s[k]))) for k in ("png", "seg.png"))
                 assert image.shape == mask.shape == (32, 32)
-                assert (mask > 0).any() and mask.max() <= 10
-                assert (image[mask > 0] >= 64).all() and (mask[image >= 64] > 0).all()
+                assert (mask[image == 0] == 0).all() and (mask[image >= 128] > 0).all(), key
+                cells = {(y, x): (image[y:y + 16, x:x + 16], mask[y:y + 16, x:x + 16])
+                         for y in (0, 16) for x in (0, 16)}
+                for _, cell_mask in cells.values():
+                    assert len(set(np.unique(cell_mask).tolist()) - {0}) <= 1, key  # one digit per cell
+                i = int(key.rsplit("_", 1)[1])
+                shown = np.kron(sk.images[i] / 16.0, np.ones((2, 2)))
+                at = [c for c, (img, _) in cells.items() if np.abs(img / 255.0 - shown).max() < 0.01]
+                assert at, f"{key}: sklearn's digit {i} is in none of the cells"
+                assert any(set(np.unique(cells[c][1]).tolist()) == {0, 1 + int(sk.target[i])} for c in at), key
                 found |= set(np.unique(mask).tolist())
                 keys.add(key)
     assert len(keys) == 1797 and found == set(range(11))
