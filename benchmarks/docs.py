@@ -609,12 +609,25 @@ def ds_tuning(doc: str) -> str:
 
 
 def clean_clone(doc: str) -> str:
-    """README: the range of the main job's val top-1 over the clean clones recorded (the clean-clone report)."""
+    """README's quick start: the newest clean clone whose `make train` output is committed beside the clean-clone
+    report (make-train-<commit>.txt): its two commands' times, the range of the main job's val top-1 over every
+    clean clone recorded, and that output."""
     folder = report_dir("clean-clone")
-    table = [line.split("|") for line in open(os.path.join(folder, "report.md")) if line.startswith("| 20")]
-    top1 = [float(m.group(1)) for row in table if (m := re.match(r"\s*(\d+\.\d+)%", row[5]))]
-    return (f"has ended between {min(top1):.2f}% and {max(top1):.2f}% in the {len(top1)} clean clones recorded "
-            f"([timings]({link(folder, doc)})):")
+    table = [[c.strip() for c in line.split("|")[1:-1]] for line in open(os.path.join(folder, "report.md"))
+             if line.startswith("| 20")]
+    top1 = [float(m.group(1)) for row in table if (m := re.match(r"(\d+\.\d+)%", row[4]))]
+    date, commit, train, steps, _, test = next(
+        row for row in reversed(table)
+        if os.path.exists(os.path.join(folder, f"make-train-{row[1].split()[0]}.txt")))
+    commit = commit.split()[0]
+    duration = r"(\d+m\d+s)"
+    with open(os.path.join(folder, f"make-train-{commit}.txt")) as f:
+        printed = f.read().rstrip("\n")
+    return (f"From a clean clone of `{commit}` ({date}), `make train` took {re.search(duration, train).group(1)} with "
+            f"the install (its 900 steps {re.search(duration, steps).group(1)}) and `make test` "
+            f"{re.search(r'in ' + duration, test).group(1)}. The last bits of a CPU's fp32 rounding steer the run, "
+            f"which has ended between {min(top1):.2f}% and {max(top1):.2f}% in the {len(top1)} clean clones recorded "
+            f"([timings]({link(folder, doc)})). That clone's `make train` printed:\n\n```\n{printed}\n```")
 
 
 def faults_line(doc: str) -> str:
