@@ -616,12 +616,11 @@ def clean_clone(doc: str) -> str:
     table = [[c.strip() for c in line.split("|")[1:-1]] for line in open(os.path.join(folder, "report.md"))
              if line.startswith("| 20")]
     top1 = [float(m.group(1)) for row in table if (m := re.match(r"(\d+\.\d+)%", row[4]))]
-    date, commit, train, steps, _, test = next(
-        row for row in reversed(table)
-        if os.path.exists(os.path.join(folder, f"make-train-{row[1].split()[0]}.txt")))
-    commit = commit.split()[0]
-    duration = r"(\d+m\d+s)"
-    with open(os.path.join(folder, f"make-train-{commit}.txt")) as f:
+    output = lambda row: os.path.join(folder, f"make-train-{row[1].split()[0]}.txt")  # noqa: E731
+    row = next(row for row in reversed(table) if os.path.exists(output(row)))
+    date, commit, train, steps, _, test = row
+    commit, duration = commit.split()[0], r"(\d+m\d+s)"
+    with open(output(row)) as f:
         printed = f.read().rstrip("\n")
     return (f"From a clean clone of `{commit}` ({date}), `make train` took {re.search(duration, train).group(1)} with "
             f"the install (its 900 steps {re.search(duration, steps).group(1)}) and `make test` "

@@ -160,6 +160,9 @@ def is_comm_error(e: BaseException) -> bool:
                                              any(m in str(e) for m in COMM_ERROR_MARKERS))
 
 
+STEP = re.compile(r"step \d+")  # a heartbeat of the training loop (Heartbeat.beat)
+
+
 class Heartbeat:
     """Every rank records what it is doing (the step) in the process group's store, at `heartbeat/<rank>`; when a
     collective fails, or this rank makes no progress for `timeout_s`, the report says where each rank last was,
@@ -201,9 +204,8 @@ class Heartbeat:
         it to the store at its next poll (at most once a second), so that the loop's steps make no round trip to the
         store; anything else (evaluating, saving, loading, and the first step after them) is written at once, so that
         the store never says a rank is still setting up once it has stepped."""
-        is_step = lambda w: w is not None and re.fullmatch(r"step \d+", w) is not None  # noqa: E731
         self.what, self.since = what, time.monotonic()
-        if not (is_step(what) and is_step(self.written)):
+        if not (STEP.fullmatch(what) and STEP.fullmatch(self.written or "")):
             self.publish(self.store)
 
     def publish(self, store):
