@@ -85,7 +85,7 @@ def time_eval(spec, processor, batch: int, path: str) -> float:
     return n / (time.perf_counter() - start)
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--images", type=int, default=2048, help="JPEGs in the benchmark shards")
     ap.add_argument("--batch", type=int, default=32)
@@ -93,7 +93,7 @@ def main():
     ap.add_argument("--workers", default="0,1,2", help="DataLoader worker counts (0 = in the main process)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "data"))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)  # each worker decodes on one core; the training ranks keep the rest
     _, processor = build_model("vit-small", 1000, 224)
     configs = ([("train", int(w), "uint8") for w in args.workers.split(",")]

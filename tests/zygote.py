@@ -1,8 +1,8 @@
 """A process that imports train.py and its libraries once, then forks a fresh rank process for each request:
 conftest.launch's `fork` launcher. Each rank is a real process running train.py's `main` with the environment a
 launcher gives it (RANK, WORLD_SIZE, MASTER_ADDR, ...); what it skips is the interpreter start and the imports
-(most of a debug run's time on 2 cores). The zygote itself runs nothing else, so every fork starts from the state
-of a fresh `python train.py` after its imports.
+(most of a debug run's time on 2 cores). The zygote itself runs nothing else (but `warm`'s probe), so every fork
+starts from the state of a fresh `python train.py` after its imports.
 
     python -m tests.zygote      # requests and replies are JSON lines on stdin and stdout
 
@@ -21,7 +21,7 @@ import os
 import sys
 
 # train.py and what its ranks import while they run (DeepSpeed at the process group's start, matplotlib on rank 0)
-PRELOAD = ("train", "deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer", "torch.utils.tensorboard",
+PRELOAD = ("train", "export", "deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer", "torch.utils.tensorboard",
            "engine.figures")
 PROJECT = {"train", "config", "engine", "models", "ac", "data", "planner", "plan", "export"}
 
@@ -33,6 +33,16 @@ def install_faults(cwd: str):
     spec = importlib.util.spec_from_file_location("inject_faults", os.path.join(cwd, "benchmarks", "inject",
                                                                                  "sitecustomize.py"))
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+def show_warnings():
+    """Drop the catch-all `ignore` the zygote's own PYTHONWARNINGS=ignore put behind the filters the libraries
+    installed at import: what is left is the filter list of an interpreter started without it, after the same
+    imports (an ignored warning is not recorded as shown, so each is still shown once)."""
+    import warnings
+
+    warnings.filters[:] = [f for f in warnings.filters if f != ("ignore", None, Warning, None, 0)]
+    warnings._filters_mutated()
 
 
 def rank(request: dict):
@@ -48,11 +58,18 @@ def rank(request: dict):
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     if any(key.startswith("INJECT_") for key in os.environ):
         install_faults(request["cwd"])
+    if os.environ.get("PYTHONWARNINGS") != "ignore":  # warnings on, as in an interpreter started without it
+        show_warnings()
+    if os.environ.get("TORCH_COMPILE_DISABLE") == "1":  # what torch reads from it at import
+        import torch._dynamo
+
+        torch._dynamo.config.disable = True
     module = importlib.import_module(request["module"])
     sys.argv = [module.__file__, *request["argv"]]
     code = 0
     try:
-        module.main(request["argv"])
+        result = module.main(request["argv"])
+        code = result if isinstance(result, int) else 0  # an entry's `raise SystemExit(main())`
     except SystemExit as e:  # as the interpreter treats it: None is 0, a message is printed and is 1
         if isinstance(e.code, int) or e.code is None:
             code = e.code or 0
@@ -98,9 +115,27 @@ def serve(replies):
         replies.flush()
 
 
+def warm():
+    """What every rank works out the same way before its process group forms, done once here: DeepSpeed's probe
+    of the ops this machine can build (a compiler run) and the load of its CPU shared-memory all-reduce (each
+    rank still initialises its own). Both are caches a fresh process fills on first use (~0.2 s a rank)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as engine.distributed.init_distributed sets it
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        builder.load(verbose=False)
+
+
 if __name__ == "__main__":
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # what the libraries print outside a rank reaches no reply
     for name in PRELOAD:
         importlib.import_module(name)
+    warm()
     serve(replies)

@@ -15,7 +15,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, run_entry
 from data.loader import ShardStream, TrainLoader, eval_batches, merge_states, resume_state
 from data.shards import DataError, parse_spec
 from data.transforms import EvalTransform, Normalize, TrainTransform, mix_batch
@@ -373,9 +373,8 @@ def test_mix_batch_soft_targets(mixup, cutmix):
 
 
 def test_data_benchmark_runs(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.data_bench", "--images", "64", "--batches", "2",
-                           "--repeats", "1", "--workers", "0,1", "--out", str(tmp_path)], cwd=REPO,
-                          capture_output=True, text=True, timeout=180)
+    proc = run_entry("benchmarks.data_bench", "--images", "64", "--batches", "2", "--repeats", "1", "--workers", "0,1",
+                     "--out", tmp_path, timeout=180)
     assert proc.returncode == 0, proc.stderr
     import csv
 

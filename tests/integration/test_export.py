@@ -1,11 +1,9 @@
 """export.py: a training checkpoint of any ZeRO stage becomes a Hugging Face directory whose logits equal those of
 the live model (the run's own export at the same step, hf_model/)."""
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import run_entry
 
 
 def weights(model_dir) -> dict:
@@ -36,8 +34,7 @@ def logits(model_dir, images):
 def test_checkpoint_exports_to_the_live_models_logits(stage_runs, tmp_path, stage):
     run = stage_runs["vit-debug", stage]
     out = tmp_path / "exported"
-    proc = subprocess.run([sys.executable, "export.py", f"{run}/checkpoints/step0000060", str(out)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    proc = run_entry("export", f"{run}/checkpoints/step0000060", out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"to {out}" in proc.stdout and not (tmp_path / "exported.partial").exists()
     images = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(0))
@@ -49,6 +46,5 @@ def test_checkpoint_exports_to_the_live_models_logits(stage_runs, tmp_path, stag
     classify = pipeline("image-classification", model=str(out))
     assert len(classify(Image.new("RGB", (16, 16)), top_k=3)) == 3
 
-    again = subprocess.run([sys.executable, "export.py", f"{run}/checkpoints/step0000060", str(out)], cwd=REPO,
-                           capture_output=True, text=True, timeout=60)
+    again = run_entry("export", f"{run}/checkpoints/step0000060", out, timeout=60)
     assert again.returncode == 2 and again.stderr.strip().endswith("exists: choose a new directory")

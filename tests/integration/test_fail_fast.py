@@ -78,7 +78,7 @@ def test_a_label_outside_num_labels_is_skipped_and_counted(digits, debug_args, t
     args = debug_args + ["--model", "vit-debug", "--micro_batch_size", 64, "--train_shards",
                          f"{shards}/train-{{000000..000003}}.tar", "--max_steps", 12, "--eval_every", 0, "--save_every",
                          0, "--output_dir", out]  # past the first epoch (11 steps)
-    proc = launch(args, launcher="deepspeed", warnings=True)
+    proc = launch(args, warnings=True)
     warned = [line for line in (proc.stdout + proc.stderr).splitlines() if "outside [0, 10) (num_labels)" in line]
     assert warned and all("train-000001.tar" in line for line in warned), proc.stdout[-3000:]
     assert read_metrics(out)[-1]["data/skipped"] >= len(bad)  # the first epoch reads each of them once
@@ -121,7 +121,7 @@ def test_a_pipe_source_failing_mid_run_is_skipped_counted_and_named(digits, debu
     spec = f"pipe:sh {script} {digits['dir']}/train-{{000000..000003}}.tar"
     proc = launch(debug_args + ["--model", "vit-debug", "--micro_batch_size", 64, "--train_shards", spec,
                                 "--max_steps", 12, "--eval_every", 0, "--save_every", 0, "--output_dir", out],
-                  launcher="deepspeed", warnings=True)  # past the first epoch (11 steps): the shard is read after its count
+                  warnings=True)  # past the first epoch (11 steps): the shard is read after its count
     named = [line for line in (proc.stdout + proc.stderr).splitlines() if "exited with status 7" in line]
     assert named and all("000002.tar" in line for line in named), proc.stdout[-3000:]
     assert read_metrics(out)[-1]["data/skipped"] > 0

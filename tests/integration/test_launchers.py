@@ -4,7 +4,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import launch, read_metrics
+from conftest import REPO, check_input, launch, read_metrics
 
 
 @pytest.mark.slow  # both launchers train in the default suite: tests/integration/test_multinode.py's Slurm script per launcher
@@ -72,11 +72,18 @@ def test_accelerate_zero3_offload_steps_with_cpu_adam(stage_runs, debug_args, tm
     assert ours != theirs and ours[:30] == pytest.approx(theirs[:30], rel=1e-6)
 
 
-def test_accelerate_config_contradicting_the_run_config_is_one_error(debug_args, tmp_path):
-    proc = launch(debug_args + ["--zero_stage", 2, "--output_dir", tmp_path / "run"], check=False,
-                  accelerate_config="accelerate_configs/zero3.yaml")
-    assert proc.returncode != 0
-    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
+def test_accelerate_config_contradicting_the_run_config_is_one_error(debug_args, tmp_path, capsys, monkeypatch):
+    """accelerate_configs/zero3.yaml's variables, as `accelerate launch` sets them from it (the plugin's test above
+    launches it): a command line naming another stage is one error, before anything is written."""
+    import yaml
+
+    plugin = yaml.safe_load(open(os.path.join(REPO, "accelerate_configs", "zero3.yaml")))
+    assert plugin["distributed_type"] == "DEEPSPEED"
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", plugin["deepspeed_config"]["deepspeed_config_file"])
+    code, lines = check_input(debug_args + ["--zero_stage", 2, "--output_dir", tmp_path / "run"], capsys, monkeypatch)
+    assert code != 0
+    errors = [line for line in lines if line.startswith("error:")]
     assert errors == ["error: the accelerate config sets ZeRO stage 3 (in ds_configs/zero3.json) but the command "
                       "line says zero_stage 2: remove one of them"]
     assert not (tmp_path / "run").exists()

@@ -4,14 +4,10 @@ tests/unit/test_planner_model.py."""
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 from ac.profile import PROFILE_BATCH
-from conftest import REPO, fork_launch, run_plan as plan
-
-from engine.distributed import free_port
+from conftest import REPO, fork_launch, run_entry, run_plan as plan
 
 
 def test_plan_vit_22b_on_1024_gpus(tmp_path):
@@ -86,8 +82,7 @@ def test_validate_predicts_the_cpu_suite_within_its_targets():
     and closer than the assumed ones."""
     import csv
 
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.validate", "benchmarks/results/cpu/results.csv", "--json"],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = run_entry("benchmarks.validate", "benchmarks/results/cpu/results.csv", "--json", timeout=600)
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
     with open(f"{REPO}/benchmarks/results/cpu/results.csv") as f:
@@ -110,8 +105,7 @@ def test_validate_predicts_the_host_bound_suite_with_the_host_probe():
     predicted with the host probe of its calibration.json (`validate --reprobe`, three rounds, on the run's
     CPU model): each step within the ±25% target (docs/planner.md gives the figures), where the operators alone
     (the assumed step) fall more than half short; ZeRO-3's micro-batches are host-bound."""
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.validate", "benchmarks/results/host/results.csv",
-                           "--json"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = run_entry("benchmarks.validate", "benchmarks/results/host/results.csv", "--json", timeout=300)
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
     assert {r["config"] for r in rows} == {"ZeRO-2 + none", "ZeRO-3 + none", "ZeRO-3 + selective", "ZeRO-3 + full"}
@@ -122,6 +116,8 @@ def test_validate_predicts_the_host_bound_suite_with_the_host_probe():
         assert r["host_bound"] or r["zero_stage"] != 3, r["config"]
 
 
+# ZeRO-3 with tensor parallelism under -m slow: the default run plans and runs tensor parallelism (ZeRO-1) and
+# selective (ZeRO-2); ZeRO-3 planned against measured runs: test_validate_predicts_the_cpu_suite_within_its_targets
 @pytest.mark.parametrize("zero,ac,tp", [(2, "selective", 1), (1, "none", 2),
                                        pytest.param(3, "selective", 2, marks=pytest.mark.slow)],
                          ids=["zero2 selective", "zero1 none tp2", "zero3 selective tp2"])
@@ -151,8 +147,8 @@ def test_the_planner_predicts_a_run_no_suite_measures(tmp_path, zero, ac, tp):
     assert abs(predicted / measured - 1) <= 0.10, (predicted / 2**20, measured / 2**20)
 
 
-def test_calibrate_under_torchrun_and_plan_with_it(tmp_path):
-    """plan.py --calibrate under torchrun: both ranks measure, rank 0 writes the slowest rank's replay and host
+def test_calibrate_on_two_ranks_and_plan_with_it(tmp_path):
+    """plan.py --calibrate on 2 ranks (forked, with the variables torchrun sets): both ranks measure, rank 0 writes the slowest rank's replay and host
     probe and the lowest bandwidths; an estimate with --calibration charges the model's operators exactly the
     replayed seconds (the step without recompute is the replay plus the host's share beyond the bare model plus
     the optimizer's stream plus the all-gathers at the measured bandwidth; exactly at the profile's own batch,
@@ -165,11 +161,7 @@ def test_calibrate_under_torchrun_and_plan_with_it(tmp_path):
     keys = ["--model", "vit-debug", "--image_size", "16", "--micro_batch_size", str(PROFILE_BATCH), "--num_labels", "10",
             "--precision", "fp32"]
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2",
-                           "--master_port", str(free_port()), "plan.py", "--calibrate", str(out), "--host_stages", "2",
-                           "--host_rounds", "1",
-                           *keys],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = fork_launch(["--calibrate", out, "--host_stages", 2, "--host_rounds", 1, *keys], 2, env, 300, module="plan")
     assert proc.returncode == 0, proc.stderr[-3000:]
     cal = json.loads(out.read_text())
     assert cal["ranks"] == 2 and len(cal["per_rank"]) == 2 and cal["failed_ops"] == []

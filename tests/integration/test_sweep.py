@@ -14,14 +14,13 @@ import time
 
 import pytest
 import yaml
-from conftest import REPO, free_port
+from conftest import REPO, free_port, run_entry
 
 PG_BIN = os.path.dirname(os.path.realpath(shutil.which("initdb") or "/usr/lib/postgresql/15/bin/initdb"))
 
 
 def sweep(*args, timeout=600, check=True):
-    proc = subprocess.run([sys.executable, "sweep.py", *map(str, args)], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = run_entry("sweep", *args, timeout=timeout)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc

@@ -6,13 +6,11 @@ are the same weights; the exports load in transformers (a segmentation one in pi
 an MAE encoder as a classifier to fine-tune); and the input a task cannot take is one line, exit 2.
 """
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, check_input, fork_start, launch, read_metrics, seg_shards
+from conftest import check_input, fork_start, launch, read_metrics, run_entry, seg_shards
 from safetensors.torch import load_file
 
 from benchmarks.fault_injection import arg
@@ -104,8 +102,7 @@ def test_policy_resume_and_elastic_resume_continue_the_run_bitwise(task_args, tm
 
     # export.py merges the final checkpoint into the weights the run exported
     out = tmp_path / "exported"
-    proc = subprocess.run([sys.executable, "export.py", str(full / "checkpoints" / f"step{STEPS:07d}"), str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = run_entry("export", full / "checkpoints" / f"step{STEPS:07d}", out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     exported, live = state_dict(out), state_dict(full / "hf_model")
     assert exported.keys() == live.keys() and all(exported[k].equal(v) for k, v in live.items())

@@ -4,12 +4,10 @@ run's end and by export.py from a checkpoint), an exact resume."""
 import json
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import REPO, free_port, launch, read_metrics
+from conftest import free_port, launch, read_metrics, run_entry
 from test_export import logits, same_weights
 
 from config import ConfigError
@@ -110,6 +108,8 @@ def losses(run_dir) -> list:
     return [r["loss"] for r in read_metrics(run_dir) if "loss" in r]
 
 
+# the default run: both models, ZeRO-1 and ZeRO-3, selective and full recompute; the other combinations of the
+# same parts under -m slow
 CASES = {  # model, ZeRO stage, checkpointing
     "vit zero3 selective": ("vit-debug", 3, "selective"),
     "swin zero1 full": ("swin", 1, "full"),
@@ -139,8 +139,7 @@ def test_two_tensor_parallel_ranks_train_as_one_rank(one_rank, debug_args, swin_
     images = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(logits(tmp_path / "run" / "hf_model", images), logits(reference / "hf_model", images),
                                rtol=1e-4, atol=1e-5)
-    proc = subprocess.run([sys.executable, "export.py", str(tmp_path / "run" / "checkpoints" / "step0000010"),
-                           str(tmp_path / "exported")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = run_entry("export", tmp_path / "run" / "checkpoints" / "step0000010", tmp_path / "exported")
     assert proc.returncode == 0, proc.stderr[-3000:]
     torch.testing.assert_close(logits(tmp_path / "exported", images), logits(tmp_path / "run" / "hf_model", images),
                                rtol=0, atol=0)
@@ -150,8 +149,7 @@ def test_two_tensor_parallel_ranks_train_as_one_rank(one_rank, debug_args, swin_
         shutil.copytree(tmp_path / "run" / "checkpoints" / "step0000010", broken)
         shutil.copytree(tmp_path / "run" / "hf_config", tmp_path / "broken" / "hf_config")
         (broken / "zero_pp_rank_0_mp_rank_01_optim_states.pt").unlink()
-        proc = subprocess.run([sys.executable, "export.py", str(broken), str(tmp_path / "none")], cwd=REPO,
-                              capture_output=True, text=True, timeout=120)
+        proc = run_entry("export", broken, tmp_path / "none")
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
         assert "lacks zero_pp_rank_0_mp_rank_01_optim_states.pt" in proc.stderr and not (tmp_path / "none").exists()
     checkpoint = tmp_path / "run" / "checkpoints" / "step0000005"
@@ -199,8 +197,7 @@ def test_tensor_and_data_parallel_on_two_nodes_of_two_ranks(debug_args, tmp_path
     run_nodes([torchrun_node(r, port, args + ["--tp_size", 2, "--output_dir", tmp_path / "resumed", "--resume",
                                               checkpoint], ranks=2) for r in (0, 1)])
     assert losses(tmp_path / "resumed") == losses(tmp_path / "2d")[5:]
-    proc = subprocess.run([sys.executable, "export.py", str(tmp_path / "2d" / "checkpoints" / "step0000010"),
-                           str(tmp_path / "exported")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = run_entry("export", tmp_path / "2d" / "checkpoints" / "step0000010", tmp_path / "exported")
     assert proc.returncode == 0, proc.stderr[-3000:]
     images = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(logits(tmp_path / "exported", images), logits(tmp_path / "2d" / "hf_model", images),
