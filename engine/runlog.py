@@ -116,7 +116,7 @@ class RunLog:
             return
         self.bar.write(f"step {step}: val {result.describe()}" + (
             f" | EMA {ema_result.describe()}" if ema_result else ""))
-        if self.tb is None and not self.trackers:  # report_to none: no picture is drawn (~0.5 s each)
+        if self.tb is None and not self.trackers:  # report_to none: no picture is drawn
             return
         from engine import figures
 

@@ -20,7 +20,7 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_ex
 # The one tiny configuration every integration test trains (torchtitan's "debug model").
 # report_to none: metrics.jsonl only; the runs whose TensorBoard events a test reads name tensorboard (one of
 # stage_runs, the segmentation masks, two loopback nodes; tests/integration/test_tracking.py), which saves the
-# drawing of TensorBoard's figures at every evaluation of the others (~0.5 s each)
+# drawing of TensorBoard's figures at every evaluation of the others
 DEBUG_ARGS = ["--image_size", "16", "--micro_batch_size", "16", "--max_steps", "60", "--warmup_steps", "10",
               "--lr", "3e-3", "--eval_every", "30", "--save_every", "30", "--num_workers", "0",
               "--shuffle_buffer", "200", "--progress", "false", "--report_to", "none"]
@@ -160,11 +160,11 @@ def fork_launch(args, nproc, env, timeout, module="train"):
     return subprocess.CompletedProcess(job.args, job.returncode, job.read("out"), job.read("err"))
 
 
-def run_entry(module, *args, timeout=120, env=None):
+def run_entry(module, *args, timeout=120):
     """`python MODULE.py ARGS` for an entry point with a `main(argv)` (export.py, sweep.py) as one process forked
     from the zygote, in the repository root: a CompletedProcess with its code, stdout and stderr, as a fresh
-    interpreter's run gives them, without the interpreter's start and imports (~5 s each here)."""
-    env = dict(os.environ if env is None else env, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    interpreter's run gives them, without the interpreter's start and imports."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(key, None)
     return fork_launch([str(a) for a in args], 1, env, timeout, module=module)
@@ -277,12 +277,9 @@ def deepspeed_ops(request):
     if torch.cuda.is_available():
         yield None
         return
-    import deepspeed.ops
-    from deepspeed.accelerator import get_accelerator
+    from tests.zygote import load_shm_op
 
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
-        builder.load(verbose=False)
+    load_shm_op()
     cpu_adam = None
     if any("cpu_adam" in item.fixturenames for item in request.session.items):
         log = tempfile.NamedTemporaryFile("w+", prefix="cpu-adam-build-", suffix=".log")

@@ -115,21 +115,26 @@ def serve(replies):
         replies.flush()
 
 
-def warm():
-    """What every rank works out the same way before its process group forms, done once here: DeepSpeed's probe
-    of the ops this machine can build (a compiler run) and the load of its CPU shared-memory all-reduce (each
-    rank still initialises its own). Both are caches a fresh process fills on first use (~0.2 s a rank)."""
-    import torch
-
-    if torch.cuda.is_available():
-        return
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as engine.distributed.init_distributed sets it
+def load_shm_op():
+    """DeepSpeed's CPU shared-memory all-reduce, loaded (built on first use) as its CPU accelerator loads it at
+    the process group's start, if this machine can build it: the ops' probe (a compiler run) is done too."""
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
 
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
         builder.load(verbose=False)
+
+
+def warm():
+    """What every rank works out the same way before its process group forms, done once here on CPU: DeepSpeed's
+    ops' probe and shared-memory all-reduce (each rank still initialises its own). Both are caches a fresh
+    process fills on first use."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as engine.distributed.init_distributed sets it
+        load_shm_op()
 
 
 if __name__ == "__main__":

@@ -148,8 +148,8 @@ def test_the_planner_predicts_a_run_no_suite_measures(tmp_path, zero, ac, tp):
 
 
 def test_calibrate_on_two_ranks_and_plan_with_it(tmp_path):
-    """plan.py --calibrate on 2 ranks (forked, with the variables torchrun sets): both ranks measure, rank 0 writes the slowest rank's replay and host
-    probe and the lowest bandwidths; an estimate with --calibration charges the model's operators exactly the
+    """plan.py --calibrate on 2 ranks (forked, with the variables torchrun sets): both ranks measure, rank 0
+    writes the slowest rank's replay and host probe and the lowest bandwidths; an estimate with --calibration charges the model's operators exactly the
     replayed seconds (the step without recompute is the replay plus the host's share beyond the bare model plus
     the optimizer's stream plus the all-gathers at the measured bandwidth; exactly at the profile's own batch,
     PROFILE_BATCH, which the planner's profile is scaled from). The host is probed under ZeRO-2 alone
