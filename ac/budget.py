@@ -28,22 +28,28 @@ def recompute_flops(p: BlockProfile, how: str) -> int:
     return {"selective": p.flops_selective, "full": p.flops_full}.get(how, 0)
 
 
+def recompute_elems(p: BlockProfile, how: str) -> int:
+    """Elements the backward's recompute of block `p` produces outside the matmuls under `how`."""
+    return {"full": p.cheap_elems, "selective": p.selective_elems, "light": p.light_elems}.get(how, 0)
+
+
 def recompute_cost(p: BlockProfile, how: str) -> int:
     """Work the backward repeats for block `p` under `how`: FLOPs, plus one per element of the cheap ops."""
-    return recompute_flops(p, how) + (p.cheap_elems if how in ("selective", "full") else
-                                      p.light_elems if how == "light" else 0)
+    return recompute_flops(p, how) + recompute_elems(p, how)
 
 
 def activation_peak(profile: list[BlockProfile], plan: list, released: list | None = None) -> int:
     """Activation bytes at the step's highest point under `plan`: the end of the forward (every block's kept
     bytes), or some block's backward, which holds its gradients and, if the block is recomputed, all it
-    would have saved, while the blocks before it still hold theirs (the blocks after it are done and freed).
+    would have saved, while the blocks before it still hold theirs (the blocks after it are done and freed);
+    under `light` and `selective` the recipes rebuild one tensor at a time, as each backward op reads it, and the
+    block holds what it kept.
     `released[i]`: other bytes freed by the time block i's backward runs, taken off that moment. The backward
     begins outside the blocks (the head's), with every block's kept bytes held (Profile.grad_outside)."""
     kept = [kept_bytes(p, how) for p, how in zip(profile, plan)]
     peak, before = sum(kept) + getattr(profile, "grad_outside", 0), 0
     for i, (p, how, k) in enumerate(zip(profile, plan, kept)):
-        held = p.bytes_none if how in ("selective", "full") else k
+        held = p.bytes_none if how == "full" else k
         peak = max(peak, before + held + p.bytes_grad - (released[i] if released else 0))
         before += k
     return peak

@@ -6,9 +6,11 @@ Policies (run-config key `ac`):
   every_n:K       recompute blocks 0, K, 2K, ...
   light           recompute only the norms' and activations' outputs, from their inputs, when the backward
                   reads them (ac/recompute.py): the matmuls never rerun, and no per-operator dispatch mode
-  selective       keep the outputs of the compute-heavy ops (matmuls, attention kernels), recompute the
-                  cheap, memory-heavy ones (norms, GELU, softmax, dropout, residual adds); Korthikanti et
-                  al. 2022, with PyTorch's selective checkpoint contexts
+  selective       `light`, and the residual sums whose operands the block keeps anyway (its input and a
+                  linear layer's input), rebuilt by rerunning that linear (ViT's attention out-projection):
+                  the memory-heavy outputs recomputed, the matmuls that produce the kept ones never rerun
+                  (Korthikanti et al. 2022), by the block's structure (ac/recompute.py): a Python call per
+                  saved tensor and per norm, activation and linear, no per-operator dispatch
   hierarchical[:K]  the first K blocks full, the rest selective (ViT); for Swin, K counts stages. By
                   default K covers the largest-activation blocks holding half of all activation bytes, read
                   off the profile
@@ -22,49 +24,24 @@ the checkpoint; parameter names and `state_dict` keys do not change. How plans a
 docs/activation_checkpointing.md.
 """
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 
 from ac.budget import default_hierarchical_k, plan_figures, plan_for_budget
-from ac.recompute import wrap_light
-from ac.profile import COMPUTE_OPS, PROFILE_BATCH, Profile, profile_blocks
+from ac.recompute import wrap_recipes
+from ac.profile import PROFILE_BATCH, Profile, profile_blocks
 from config import ConfigError
 from models.blocks import Block, find_blocks
 
 POLICIES = ("none", "light", "full", "every_n:K", "selective", "hierarchical[:K]", "offload", "auto:BUDGET_GB")
 
 
-def _selective_policy(keep):
-    """Keep the i-th compute op's output when keep[i] (all of them when keep is None); recompute the rest.
-
-    A fresh policy per checkpointed call, with separate op counters for the forward and the recompute,
-    which replay the same ops in the same order and so take the same decisions.
-    """
-    seen = {False: 0, True: 0}
-
-    def policy(ctx, op, *args, **kwargs):
-        if op not in COMPUTE_OPS:
-            return CheckpointPolicy.PREFER_RECOMPUTE
-        i = seen[ctx.is_recompute]
-        seen[ctx.is_recompute] += 1
-        save = keep is None or i >= len(keep) or keep[i]
-        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return policy
-
-
-def _wrap(block: Block, how: str, keep=None):
+def _wrap(block: Block, how: str):
     original = block.module.forward
     if how == "full":
         def forward(*args, **kwargs):
             return checkpoint(original, *args, use_reentrant=False, **kwargs)
-    elif how == "selective":
-        def context():
-            return create_selective_checkpoint_contexts(_selective_policy(keep))
-
-        def forward(*args, **kwargs):
-            return checkpoint(original, *args, use_reentrant=False, context_fn=context, **kwargs)
-    elif how == "light":
-        wrap_light(block.module)
+    elif how in ("light", "selective"):
+        wrap_recipes(block.module, residual=how == "selective")
         return
     elif how == "offload":
         def forward(*args, **kwargs):
@@ -151,9 +128,9 @@ def apply_activation_checkpointing(model, ac: str, device_type: str, profile_ima
     if profile is not None and [p.name for p in profile] != [b.name for b in blocks]:
         raise RuntimeError(f"the profile's blocks ({len(profile)}) are not the model's ({len(blocks)})")
     plan = choose_plan(ac, blocks, profile, fixed)
-    for i, (block, how) in enumerate(zip(blocks, plan)):
+    for block, how in zip(blocks, plan):
         if how != "none":
-            _wrap(block, how, profile[i].keep if profile is not None else None)
+            _wrap(block, how)
     result = {"ac": ac, "blocks": [{"name": b.name, "stage": b.stage, "policy": how} for b, how in zip(blocks, plan)]}
     if profile is not None:
         result["profile"] = [p.__dict__ for p in profile]

@@ -1,18 +1,18 @@
 """What each transformer block saves for the backward and computes, from one forward under a dispatch-mode
 recorder and saved-tensor hooks (on the meta device for a plan, or on the real model): the figures every
 checkpointing plan and the planner's memory and step time are read from."""
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from ac.recompute import cheap_modules
+from ac.recompute import Recorder, _Residual, cheap_modules, recomputable_linears
 from engine import compat
 from engine.tensor_parallel import shard_like_autotp
 from models.blocks import find_blocks
 from models.tasks import meta_model
 
 aten = torch.ops.aten
-TO_COPY, UNSAFE_VIEW = compat.internal_copy_and_view_ops()
+UNSAFE_VIEW = compat.internal_copy_and_view_ops()[1]
 # outputs worth keeping: the ops that hold the FLOPs
 COMPUTE_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.convolution.default,
                *compat.attention_kernels()}
@@ -24,15 +24,14 @@ class BlockProfile:
     name: str
     stage: int
     bytes_none: int  # saved-for-backward bytes with every activation kept
-    bytes_selective: int  # the kept compute-op outputs plus the block input
+    bytes_selective: int  # `light`'s, without the residual sums `selective` rebuilds (ac/recompute.py)
     bytes_full: int  # the block input only
     flops: int  # forward FLOPs (matmuls, attention)
-    # What the recompute repeats. It stops at the block's last saved tensor (non-reentrant checkpointing's
+    # What `full`'s recompute repeats. It stops at the block's last saved tensor (non-reentrant checkpointing's
     # early stop), so the ops after it (the MLP's last matmul, its residual add) never rerun.
-    flops_full: int  # compute-op FLOPs before the last saved tensor: rerun under `full`
-    flops_selective: int  # those of them whose outputs `selective` does not keep (see `keep`): rerun under it
-    cheap_elems: int  # elements produced by the other ops before the last saved tensor: rerun by both
-    keep: list  # per compute op in forward order: does the backward read its output, itself or as a copy?
+    flops_full: int  # compute-op FLOPs before the last saved tensor
+    flops_selective: int  # the FLOPs of the linear layers `selective` reruns to rebuild residual sums
+    cheap_elems: int  # elements produced by the other ops before the last saved tensor: rerun by `full`
     # what the block's backward holds beside the saved activations: the gradients of its largest matmul output
     # and of its input
     bytes_grad: int = 0
@@ -41,21 +40,19 @@ class BlockProfile:
     # its backward recomputes (ac/recompute.py)
     bytes_light: int = 0
     light_elems: int = 0
+    selective_elems: int = 0  # elements `selective` recomputes: `light`'s and the residual sums'
+    ops: int = 0  # operators the block's forward dispatches, views excepted (not scaled with the batch)
+    moved: int = 0  # bytes its memory-bound operators read and write
 
     def scaled(self, factor: float) -> "BlockProfile":
         """The profile of a batch `factor` times larger: every saved activation, FLOP and element of a ViT
         or Swin block is proportional to the batch (the weights, which are not, are not counted)."""
         return BlockProfile(self.name, self.stage, round(self.bytes_none * factor), round(self.bytes_selective * factor),
                             round(self.bytes_full * factor), round(self.flops * factor), round(self.flops_full * factor),
-                            round(self.flops_selective * factor), round(self.cheap_elems * factor), self.keep,
+                            round(self.flops_selective * factor), round(self.cheap_elems * factor),
                             round(self.bytes_grad * factor), self.params, round(self.bytes_light * factor),
-                            round(self.light_elems * factor))
-
-
-# ops that only copy or rescale one tensor: a saved tensor made from a compute output by these alone is that
-# output in another layout (transformers' eager and math-SDPA attention save `(q * scale).contiguous()`)
-# (`contiguous` reaches the dispatcher as `clone`; `mul`/`div` count only with a scalar, one tensor argument)
-COPY_OPS = {aten.clone, TO_COPY, aten.mul, aten.div}
+                            round(self.light_elems * factor), round(self.selective_elems * factor), self.ops,
+                            round(self.moved * factor))
 
 
 # ops that move no data: a view, or metadata only
@@ -70,40 +67,32 @@ class _OpRecorder(compat.dispatch_mode_class()):
         super().__init__()
         self.block, self.compute_outputs, self.cheap_ops, self.packs, self.ops = None, {}, {}, {}, 0
         self.moved = 0  # bytes the memory-bound ops (all but the compute ops and views) read and write
-        # storage address -> (block, index of the compute op) it was copied or rescaled from
-        self.copied_from = {}
-        # Compute outputs (and copies of them) are matched to saved tensors by storage address; holding them
-        # for the profile's forward keeps a freed output's address from being reused by a later saved tensor,
-        # which would mark an unsaved output as kept.
+        self.ops_in, self.moved_in = {}, {}  # the same two, per block
+        # Outputs are matched to saved tensors by storage; holding them for the profile's forward keeps a freed
+        # output's storage from being reused by a later saved tensor, which would mark an unsaved output as saved.
         self.alive = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self.ops += not func.is_view
+        self.ops_in[self.block] = self.ops_in.get(self.block, 0) + (not func.is_view)
         moves_data = not func.is_view and compat.op_packet(func) not in VIEW_OPS
         if func not in COMPUTE_OPS and moves_data:
             outs = out if isinstance(out, (tuple, list)) else (out,)
             ins = [a for arg in args for a in (arg if isinstance(arg, (tuple, list)) else (arg,))]
-            self.moved += sum(t.numel() * t.element_size() for t in (*ins, *outs) if isinstance(t, torch.Tensor))
+            moved = sum(t.numel() * t.element_size() for t in (*ins, *outs) if isinstance(t, torch.Tensor))
+            self.moved += moved
+            self.moved_in[self.block] = self.moved_in.get(self.block, 0) + moved
         if self.block is not None:
             outs = out if isinstance(out, (tuple, list)) else (out,)
             tensors = [t for t in outs if isinstance(t, torch.Tensor)]
             packs = self.packs.get(self.block, 0)  # tensors the block saved before this op ran
             if func in COMPUTE_OPS:
-                self.alive.append(tensors[0])
                 storage = tensors[0].untyped_storage()
                 flops = compat.flop_count(func, args, kwargs or {}, out)
-                ops = self.compute_outputs.setdefault(self.block, [])
-                self.copied_from[compat.storage_id(tensors[0])] = (self.block, len(ops))
-                ops.append((compat.storage_id(tensors[0]), storage.nbytes(), flops, packs))
+                self.compute_outputs.setdefault(self.block, []).append((storage.nbytes(), flops, packs))
             elif compat.op_packet(func) not in VIEW_OPS:
                 self.cheap_ops.setdefault(self.block, []).append((sum(t.numel() for t in tensors), packs))
-                sources = [a for a in args if isinstance(a, torch.Tensor)]
-                if compat.op_packet(func) in COPY_OPS and len(sources) == 1 and tensors:
-                    origin = self.copied_from.get(compat.storage_id(sources[0]))
-                    if origin is not None:
-                        self.alive.append(tensors[0])
-                        self.copied_from[compat.storage_id(tensors[0])] = origin
         return out
 
 
@@ -144,21 +133,28 @@ def profile_blocks(model, images: torch.Tensor) -> Profile:
     saved = {b.name: {} for b in blocks}
     inputs = {}
     cheap_outputs = {}  # block -> {storage of a norm's or activation's output: its elements}
+    # block -> {storage of a residual sum `selective` rebuilds: (its elements, the FLOPs of the linear it reruns)}
+    residuals = {b.name: {} for b in blocks}
+    recipes = {b.name: Recorder(residual=True) for b in blocks}  # what `selective`'s own recorder would match
     handles = []
     recorder = _OpRecorder()
     for b in blocks:
         def pre(module, args, name=b.name):
             recorder.block = name
             inputs[name] = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+            recipes[name].start(args)
 
-        def post(module, args, output):
+        def post(module, args, output, name=b.name):
             recorder.block = None
+            recipes[name].stop()
         handles += [b.module.register_forward_pre_hook(pre), b.module.register_forward_hook(post)]
 
         def cheap(module, args, output, name=b.name):  # what `light` recomputes, if the backward reads it
             recorder.alive.append(output)
             cheap_outputs.setdefault(name, {})[compat.storage_id(output)] = output.numel()
         handles += [m.register_forward_hook(cheap) for m in cheap_modules(b.module)]
+        handles += [m.register_forward_hook(recipes[b.name].record) for m in cheap_modules(b.module)]
+        handles += [m.register_forward_hook(recipes[b.name].record_linear) for m in recomputable_linears(b.module)]
 
     def pack(t):
         if recorder.block is not None:  # weights count as saved tensors for the early stop, not as bytes
@@ -169,6 +165,12 @@ def profile_blocks(model, images: torch.Tensor) -> Profile:
             return None
         storage = t.untyped_storage()
         saved.setdefault(recorder.block, {})[compat.storage_id(t)] = storage.nbytes()
+        if recorder.block is not None:
+            recipe = recipes[recorder.block].match(t)
+            if isinstance(recipe, _Residual):
+                recorder.alive.append(t)
+                residuals[recorder.block][compat.storage_id(t)] = (
+                    t.numel(), 2 * t.numel() * recipe.module.in_features)
         # Detached: a saved output returned as itself closes a cycle through its own grad_fn that Python's
         # collector cannot see, and the profiled forward would stay allocated for good.
         return t.detach()
@@ -195,39 +197,83 @@ def profile_blocks(model, images: torch.Tensor) -> Profile:
     for b in blocks:
         f = sum(per_module.get(f"{type(model).__name__}.{b.name}", {}).values())
         none = sum(saved[b.name].values())
-        # `selective` keeps the outputs the backward reads, itself or as a copy (keeping the output costs the
-        # copy's bytes and saves rerunning its matmul: Swin's q, k and v). One that only feeds other cheap ops
-        # is not kept: after the last saved tensor (the MLP's last matmul) it is never recomputed; before it
-        # (the attention out-projection, whose residual sum the next norm saves) its matmul reruns, counted
-        # below.
         outputs = recorder.compute_outputs.get(b.name, [])
-        read = {recorder.copied_from.get(ptr) for ptr in saved[b.name]}
-        keep = [ptr in saved[b.name] or (b.name, i) in read for i, (ptr, *_) in enumerate(outputs)]
-        kept = sum(nbytes for (ptr, nbytes, *_), k in zip(outputs, keep) if k)
         last = recorder.packs.get(b.name, 0)
-        rerun = [(flops, k) for (_, _, flops, packs), k in zip(outputs, keep) if packs < last]
+        rerun = [flops for _, flops, packs in outputs if packs < last]
         light = {ptr: n for ptr, n in cheap_outputs.get(b.name, {}).items() if ptr in saved[b.name]}
-        out.append(BlockProfile(b.name, b.stage, none, min(none, kept + inputs[b.name]), inputs[b.name], int(f),
-                                sum(fl for fl, _ in rerun), sum(fl for fl, k in rerun if not k),
-                                sum(n for n, packs in recorder.cheap_ops.get(b.name, []) if packs < last), keep,
-                                max((nbytes for _, nbytes, *_ in outputs), default=0) + inputs[b.name],
-                                sum(compat.param_numel(p) for p in b.module.parameters()),
-                                none - sum(saved[b.name][ptr] for ptr in light), sum(light.values())))
+        bytes_light = none - sum(saved[b.name][ptr] for ptr in light)
+        sums = {ptr: v for ptr, v in residuals[b.name].items() if ptr not in light}
+        out.append(BlockProfile(b.name, b.stage, none, bytes_light - sum(saved[b.name][ptr] for ptr in sums),
+                                inputs[b.name], int(f), sum(rerun), sum(fl for _, fl in sums.values()),
+                                sum(n for n, packs in recorder.cheap_ops.get(b.name, []) if packs < last),
+                                max((nbytes for nbytes, *_ in outputs), default=0) + inputs[b.name],
+                                sum(compat.param_numel(p) for p in b.module.parameters()), bytes_light,
+                                sum(light.values()), sum(light.values()) + sum(n for n, _ in sums.values()),
+                                recorder.ops_in.get(b.name, 0), recorder.moved_in.get(b.name, 0)))
     return out
 
 
-def profile_model(cfg, device_type: str, dtype: torch.dtype = torch.float32):
+def _signature(block: torch.nn.Module) -> str:
+    """What decides a block's profile on the meta device, where only shapes and the operators run matter: its
+    modules' types and plain attributes (Swin's shift, a dropout's rate by whether it is zero: a rate changes no
+    shape, only whether its operator runs) and its parameters' and buffers' shapes and dtypes."""
+    parts = []
+    for name, m in block.named_modules():
+        attrs = sorted((k, bool(v) if isinstance(v, float) else v) for k, v in vars(m).items()
+                       if not k.startswith("_") and isinstance(v, (bool, int, float, str, tuple)))
+        parts.append((name, type(m).__qualname__, attrs))
+    for name, t in (*block.named_parameters(), *block.named_buffers()):
+        parts.append((name, tuple(t.shape), str(t.dtype)))
+    return repr(parts)
+
+
+def _distinct_blocks(model) -> dict:
+    """Leaves in each of the model's block lists only the first block of each signature (the blocks of a list
+    take and return the same shape, so the others can go without changing the rest of the forward).
+    {name of every block before: name of the block that stands for it after}."""
+    blocks = find_blocks(model)
+    lists = {}
+    for b in blocks:
+        if "." not in b.name:  # the model is a block list itself: nothing to shorten
+            return {b.name: b.name for b in blocks}
+        lists.setdefault(b.name.rsplit(".", 1)[0], []).append(b)
+    stands_for = {}
+    for path, members in lists.items():
+        signatures = [_signature(b.module) for b in members]
+        first = {}  # signature -> the first block that has it
+        for b, sig in zip(members, signatures):
+            first.setdefault(sig, b)
+        position = {sig: i for i, sig in enumerate(first)}
+        parent, _, attr = path.rpartition(".")
+        setattr(model.get_submodule(parent), attr, torch.nn.ModuleList(b.module for b in first.values()))
+        for b, sig in zip(members, signatures):
+            stands_for[b.name] = f"{path}.{position[sig]}"
+    return stands_for
+
+
+def profile_model(cfg, device_type: str, dtype: torch.dtype = torch.float32, every_block: bool = False):
     """(block profile at the run's micro-batch, parameters, largest block's parameters) from a forward of
     PROFILE_BATCH images on the meta device, in `dtype` (DeepSpeed's bf16 and fp16 run the whole model in it).
     Attention runs as the fused kernel torch's SDPA picks on `device_type` (flash attention), whose saved
     tensors differ from the math fallback meta would take. Under tensor parallelism (`cfg.tp_size`) the model is
-    one rank's share of it, as AutoTP splits it: the figures are a rank's."""
+    one rank's share of it, as AutoTP splits it: the figures are a rank's. The forward runs one block of each
+    kind (`_distinct_blocks`: one of ViT-22B's 48, two of each Swin stage's) and the profile repeats it for the
+    others; `every_block` runs them all (the figures are the same: tests/unit/test_profile.py)."""
     model = meta_model(cfg).to(dtype)
     if cfg.tp_size > 1:
         shard_like_autotp(model, cfg.tp_size)
     images = torch.empty(PROFILE_BATCH, 3, cfg.image_size, cfg.image_size, device="meta", dtype=dtype)
-    with compat.sdpa_as_on(device_type):
-        prof = profile_blocks(model, images)
+    blocks = find_blocks(model)
     n_params = sum(p.numel() for p in model.parameters())
-    largest = max(sum(p.numel() for p in b.module.parameters()) for b in find_blocks(model))
+    largest = max(sum(p.numel() for p in b.module.parameters()) for b in blocks)
+    stands_for = {b.name: b.name for b in blocks} if every_block else _distinct_blocks(model)
+    with compat.sdpa_as_on(device_type):
+        run = profile_blocks(model, images)
+    by_name = {p.name: p for p in run}
+    prof = Profile(replace(by_name[stands_for[b.name]], name=b.name, stage=b.stage) for b in blocks)
+    prof.bytes_outside, prof.grad_outside = run.bytes_outside, run.grad_outside
+    # the whole forward's figures with the blocks that did not run added
+    prof.forward_flops = run.forward_flops + sum(p.flops for p in prof) - sum(p.flops for p in run)
+    prof.ops = run.ops + sum(p.ops for p in prof) - sum(p.ops for p in run)
+    prof.moved_bytes = run.moved_bytes + sum(p.moved for p in prof) - sum(p.moved for p in run)
     return prof.scaled(cfg.micro_batch_size / PROFILE_BATCH), n_params, largest

@@ -1,18 +1,21 @@
-"""The `light` policy's mechanism: a block's norm and activation outputs are not kept for the backward but
-recomputed from their inputs when the backward reads them.
+"""The mechanism of `light` and `selective`: tensors a block's backward reads are not kept but rebuilt, when the
+backward reads them, from tensors it keeps anyway.
 
-A norm's or activation's output is what the next matmul saves (its input), while the norm and the activation
-save their own inputs anyway: recomputing the output from that input costs one elementwise kernel and holds
-nothing more. Unlike `selective` (torch's selective-checkpoint contexts, a Python dispatch mode around every
-operator of the block, forward and recompute), this runs Python once per saved tensor of the block and per
-cheap module's forward, and the block's matmuls never rerun.
+- `light`: a norm's or activation's output is what the next matmul saves (its input), while the norm and the
+  activation save their own inputs: rebuilding the output from that input costs one elementwise kernel and
+  holds nothing more.
+- `selective`: also a residual sum `x + linear(a)` whose `x` (the block's input) and `a` (the linear's input,
+  which the linear saves for its weight's gradient) the block keeps: the linear reruns (ViT's attention
+  out-projection), and a norm reading the sum rebuilds its output from the rebuilt sum.
 
-How: forward hooks on the block's cheap modules record each output with the module and its input; the
-block's forward runs under saved-tensor hooks, whose pack replaces a saved tensor that is (a view of) such
-an output by a recipe, and whose unpack reruns the module's own forward on the same input, once per output
-however many ops saved it. The same kernel on the same input gives the same bits (tests/integration/test_checkpointing.py
-holds every policy bitwise equal to `none` under ZeRO 1-3). An input or output changed in place after the
-forward is refused at the backward rather than recomputed from the changed value.
+How: forward hooks on the block's norms, activations and linear layers record what they produced; the block's
+forward runs under saved-tensor hooks, whose pack replaces a saved tensor that such a recipe rebuilds by the
+recipe, and whose unpack runs it once, however many ops saved the tensor. Python runs per saved tensor and per
+hooked module's forward, not per operator (torch's selective-checkpoint contexts run a dispatch mode around
+every operator, forward and recompute). The same kernel on the same input gives the same bits
+(tests/integration/test_checkpointing.py holds every policy bitwise equal to `none` under ZeRO 1-3 and FSDP2). An
+input changed in place after the forward is refused at the backward rather than recomputed from the changed
+value.
 """
 import weakref
 
@@ -36,41 +39,135 @@ def cheap_modules(block: nn.Module) -> list[nn.Module]:
 
 class _Recipe:
     """A cheap module's output, recomputed at most once from its input (kept alive by the module's own
-    backward), and dropped with the last saved tensor that refers to it."""
-    __slots__ = ("module", "input", "version", "value")
+    backward, or itself rebuilt by a `_Residual`: `source`), and dropped with the last saved tensor that refers
+    to it."""
+    __slots__ = ("module", "input", "version", "source", "value")
 
-    def __init__(self, module: nn.Module, inp: torch.Tensor):
-        self.module, self.input, self.version, self.value = module, inp, inp._version, None
+    def __init__(self, module: nn.Module, inp: torch.Tensor, source=None):
+        self.module, self.source, self.value = module, source, None
+        self.input, self.version = (None, None) if source is not None else (inp, inp._version)
 
     def recompute(self) -> torch.Tensor:
         if self.value is None:
-            if self.input._version != self.version:
-                raise RuntimeError(f"ac light: the input of a {type(self.module).__name__} was modified in place "
-                                   f"after the forward, so its output cannot be recomputed; use ac selective")
+            if self.source is None and self.input._version != self.version:
+                raise RuntimeError(f"ac light/selective: the input of a {type(self.module).__name__} was modified "
+                                   f"in place after the forward, so its output cannot be recomputed; use ac full")
+            inp = self.input if self.source is None else self.source.recompute()
             with torch.no_grad():
-                self.value = self.module.forward(self.input)  # the module's own code, without its hooks
+                self.value = self.module.forward(inp)  # the module's own code, without its hooks
         return self.value
 
 
-class _Outputs:
-    """The cheap outputs of the block's forward running now, by storage: (output, its version, recipe)."""
+class _Residual:
+    """A residual sum `anchor + linear(input)`, recomputed at most once from the linear's input and the anchor,
+    both kept by the block's backward anyway (the linear's own, which reads its input for the weight's gradient,
+    and an earlier op's, which reads the anchor: in ViT and Swin the first norm, whose input is the block's)."""
+    __slots__ = ("module", "input", "anchor", "versions", "value")
 
-    def __init__(self):
-        self.live = None  # None outside the block's forward
+    def __init__(self, module: nn.Module, inp: torch.Tensor, anchor: torch.Tensor):
+        self.module, self.input, self.anchor, self.value = module, inp, anchor, None
+        self.versions = (inp._version, anchor._version)
+
+    def recompute(self) -> torch.Tensor:
+        if self.value is None:
+            if (self.input._version, self.anchor._version) != self.versions:
+                raise RuntimeError("ac selective: a residual sum's operand was modified in place after the forward, "
+                                   "so the sum cannot be recomputed; use ac full")
+            with torch.no_grad():  # the module's own code, without its hooks; addition commutes bit for bit
+                self.value = self.module.forward(self.input) + self.anchor
+        return self.value
+
+
+def _key(t: torch.Tensor):
+    """The autograd edge that produced `t`: how an op's saved output is recognised as an operand of a later op."""
+    return t.grad_fn, t.output_nr
+
+
+class Recorder:
+    """What a block's forward running now produced that its backward can rebuild instead of keeping:
+
+    - `light`: a norm's or activation's output, from its input (kept by that module's own backward);
+    - `residual` (with light: `selective`): a residual sum `x + linear(a)` whose `x` and `a` the block keeps
+      anyway (its input, and the input a linear reads for its weight's gradient), from those two; the linear
+      reruns. A sum through anything else (a dropout that drops, stochastic depth, Swin's window reversal and
+      roll) is kept: its operand is no recorded linear's output.
+
+    `match` tells, for a tensor an op saves, which recipe rebuilds it (None: kept as it is); ac/profile.py asks
+    the same questions of the profiled forward, so the plan's figures are what the policy keeps."""
+
+    def __init__(self, residual: bool):
+        self.residual = residual
+        self.live = None  # storage -> (output, version, recipe) of the cheap outputs; None outside the forward
+        self.linears = {}  # autograd edge of a linear's output -> (linear, its input)
+        self.anchors = {}  # autograd edge -> tensor: the block's inputs
+        self.kept = set()  # storages the block's backward keeps as they are
+        self.sums = {}  # storage -> (the sum, its _Residual) of the residual sums being rebuilt
+
+    def start(self, args):
+        self.live, self.linears, self.kept, self.sums = {}, {}, set(), {}
+        self.anchors = {_key(a): a for a in args if isinstance(a, torch.Tensor) and a.grad_fn is not None}
+
+    def stop(self):
+        self.live, self.linears, self.anchors, self.kept, self.sums = None, {}, {}, set(), {}
 
     def record(self, module, args, output):
+        """Forward hook of a cheap module."""
         if self.live is None or not isinstance(output, torch.Tensor) or len(args) != 1 \
                 or not isinstance(args[0], torch.Tensor):
             return
-        self.live[compat.storage_id(output)] = (weakref.ref(output), output._version, _Recipe(module, args[0]))
+        # A norm reading a residual sum that is rebuilt rebuilds its output from the rebuilt sum: holding the
+        # sum itself for it would keep what `selective` gives up (ViT's second norm and its residual stream).
+        inp, rebuilt = args[0], self.sums.get(compat.storage_id(args[0]))
+        source = rebuilt[1] if rebuilt is not None and rebuilt[0]() is inp else None
+        self.live[compat.storage_id(output)] = (weakref.ref(output), output._version, _Recipe(module, inp, source))
+
+    def record_linear(self, module, args, output):
+        """Forward hook of a linear layer."""
+        if self.live is not None and isinstance(output, torch.Tensor) and output.grad_fn is not None and args \
+                and isinstance(args[0], torch.Tensor):
+            self.linears[_key(output)] = (module, args[0])
+
+    def match(self, t: torch.Tensor):
+        """The recipe that rebuilds saved tensor `t`, or None; a tensor kept as it is is remembered as kept."""
+        if self.live is None:
+            return None
+        entry = self.live.get(compat.storage_id(t))
+        if entry is not None:
+            ref, version, recipe = entry
+            out = ref()  # a freed output's storage may hold a later tensor: only a live output matches
+            if out is not None and out._version == version == t._version and t.dtype == out.dtype:
+                return recipe
+        rebuilt = self.sums.get(compat.storage_id(t))
+        if rebuilt is not None and rebuilt[0]() is t:
+            return rebuilt[1]
+        recipe = self._residual(t) if self.residual else None
+        if recipe is None:
+            self.kept.add(compat.storage_id(t))
+        else:
+            self.sums[compat.storage_id(t)] = (weakref.ref(t), recipe)
+        return recipe
+
+    def _residual(self, t: torch.Tensor):
+        fn = t.grad_fn
+        if fn is None or type(fn).__name__ != "AddBackward0" or getattr(fn, "_saved_alpha", 1) != 1 \
+                or t._base is not None:
+            return None
+        edges = fn.next_functions
+        if len(edges) != 2:
+            return None
+        for linear_edge, anchor_edge in (edges, edges[::-1]):
+            linear, anchor = self.linears.get(linear_edge), self.anchors.get(anchor_edge)
+            if linear is None or anchor is None:
+                continue
+            module, inp = linear
+            if anchor.shape == t.shape and anchor.dtype == t.dtype and \
+                    {compat.storage_id(inp), compat.storage_id(anchor)} <= self.kept:
+                return _Residual(module, inp, anchor)
+        return None
 
     def pack(self, t: torch.Tensor):
-        entry = self.live.get(compat.storage_id(t)) if self.live is not None else None
-        if entry is None:
-            return t
-        ref, version, recipe = entry
-        out = ref()  # a freed output's storage may hold a later tensor: only a live output matches
-        if out is None or out._version != version or t._version != version or t.dtype != out.dtype:
+        recipe = self.match(t)
+        if recipe is None:
             return t
         return recipe, t.size(), t.stride(), t.storage_offset()
 
@@ -82,19 +179,29 @@ class _Outputs:
         return recipe.recompute().as_strided(size, stride, offset)
 
 
-def wrap_light(block: nn.Module):
-    """Replace `block`'s instance forward by one that recomputes its cheap outputs in the backward."""
-    outputs = _Outputs()
+def recomputable_linears(block: nn.Module) -> list[nn.Module]:
+    """The block's linear layers whose rerun is local: torch's `nn.Linear`, not a tensor-parallel layer that
+    ends in an all-reduce (ac/profile.py's meta model marks its row-split stand-ins `tp_row`)."""
+    return [m for m in block.modules() if isinstance(m, nn.Linear) and not getattr(m, "tp_row", False)]
+
+
+def wrap_recipes(block: nn.Module, residual: bool):
+    """Replace `block`'s instance forward by one that rebuilds its cheap outputs (and, with `residual`, its
+    residual sums) in the backward instead of keeping them: `light` and `selective`."""
+    recorder = Recorder(residual)
     for module in cheap_modules(block):
-        module.register_forward_hook(outputs.record)
+        module.register_forward_hook(recorder.record)
+    if residual:
+        for module in recomputable_linears(block):
+            module.register_forward_hook(recorder.record_linear)
     original = block.forward
 
     def forward(*args, **kwargs):
-        outputs.live = {}
+        recorder.start(args)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(outputs.pack, outputs.unpack):
+            with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack):
                 return original(*args, **kwargs)
         finally:
-            outputs.live = None
+            recorder.stop()
 
     block.forward = forward

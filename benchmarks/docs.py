@@ -113,11 +113,11 @@ def policy_table(doc: str) -> str:
     rows = [f"| your situation | `ac` | cost under FSDP2, 2 CPU ranks, fp32 ([cpu report]({link(folder, doc)}), "
             f"{date}{stale_note(folder)}; step time: 95% interval over the repeats) |", "|---|---|---|",
             "| the batch fits | `none` | — |",
-            "| a little short of memory, GPU | `light` | norms' and activations' outputs recomputed, no matmul "
-            "(ViT-S/8: −37% activations, [docs](docs/activation_checkpointing.md#light-the-same-idea-without-a-"
-            "dispatch-mode)); host time per step below |",
-            f"| a little short of memory | `selective` | ViT-S: {cell(vit, 'selective')}; Swin-T: "
-            f"{cell(swin, 'selective')} |",
+            "| a little short of memory | `light` | norms' and activations' outputs recomputed, no matmul "
+            "([docs](docs/activation_checkpointing.md#light-and-selective-recipes-not-a-dispatch-mode)); host time "
+            "per step below |",
+            f"| a little shorter, ViT | `selective` | `light` and the residual sums, rerunning ViT's out-projection "
+            f"(on Swin as `light`); ViT-S: {cell(vit, 'selective')}; Swin-T: {cell(swin, 'selective')} |",
             "| short of memory, want the least recompute that fits a per-rank budget | `auto:GB` (e.g. `auto:60`) | "
             "plans each block against the budget ([docs](docs/activation_checkpointing.md)) |",
             f"| much shorter, ViT | `hierarchical` | ViT-S: {cell(vit, 'hierarchical')} |",

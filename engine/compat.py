@@ -175,8 +175,8 @@ def use_torch_linear(linear: torch.nn.Linear):
     A checkpoint's recompute stops once it has rebuilt every tensor the backward needs. torch's matmul saves its
     inputs before it runs, so a block's recompute stops short of its last matmul; DeepSpeed's function saves
     them after its forward, so the recompute would run that matmul too. DeepSpeed's function exists to keep
-    gathered weights out of the saved tensors, and a checkpointed block saves only its input and (selective)
-    matmul outputs, so inside one it is not needed (docs/activation_checkpointing.md).
+    gathered weights out of the saved tensors, and a checkpointed block saves only its input, so inside one it
+    is not needed (docs/activation_checkpointing.md).
     """
     native = torch_linear()
 
@@ -189,9 +189,9 @@ def use_torch_linear(linear: torch.nn.Linear):
 def _zero3_linear(input, weight, bias=None):
     """DeepSpeed's ZeRO-3 linear, always on its out-of-place `addmm` path.
 
-    For inputs of more than 2 dimensions DeepSpeed's function adds the bias in place into the matmul output;
-    selective checkpointing keeps that output, so its recompute would add the bias a second time. Flattened to
-    2-D, the input takes DeepSpeed's `torch.addmm(bias, input, weight.t())` branch.
+    For inputs of more than 2 dimensions DeepSpeed's function runs a matmul and adds the bias in place into its
+    output: two kernels, and an output whose version moves after the matmul made it. Flattened to 2-D, the input
+    takes DeepSpeed's fused `torch.addmm(bias, input, weight.t())` branch, as torch's own linear does.
     """
     from deepspeed.runtime.zero.linear import LinearFunctionForZeroStage3
 

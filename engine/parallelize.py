@@ -151,8 +151,7 @@ def apply_zero(model, cfg, ds_config, ac_plan):
 
     Under ZeRO-3 every transformer block is a leaf module (DeepSpeed's own switch): its weights are gathered
     and released once per block, with the hooks on the block, outside its checkpoint. A recompute then
-    gathers nothing again, and torch's selective checkpointing, which requires the recompute to replay the
-    forward's ops exactly, never sees a gather (docs/activation_checkpointing.md).
+    gathers nothing again (docs/activation_checkpointing.md).
     """
     import deepspeed
     import torch.distributed as dist
@@ -176,7 +175,7 @@ def apply_zero(model, cfg, ds_config, ac_plan):
     compat.zero12_grad_norm_in_float64(engine)
     if engine.zero_optimization_partition_weights():
         compat.make_zero3_linear_out_of_place()
-        recomputed = {b["name"] for b in ac_plan["blocks"] if b["policy"] in ("full", "selective")}
+        recomputed = {b["name"] for b in ac_plan["blocks"] if b["policy"] == "full"}
         for name, block in model.named_modules():
             if name in recomputed:
                 for module in block.modules():

@@ -134,8 +134,11 @@ def shard_like_autotp(model: torch.nn.Module, tp_size: int) -> torch.nn.Module:
         old = getattr(parent, child)
         out_features = old.out_features // tp_size if how == "column" else old.out_features
         in_features = old.in_features // tp_size if how == "row" else old.in_features
-        setattr(parent, child, torch.nn.Linear(in_features, out_features, bias=old.bias is not None,
-                                               device=old.weight.device, dtype=old.weight.dtype))
+        linear = torch.nn.Linear(in_features, out_features, bias=old.bias is not None, device=old.weight.device,
+                                 dtype=old.weight.dtype)
+        # AutoTP's row-split layer ends in an all-reduce: `selective` reruns no such layer (ac/recompute.py)
+        linear.tp_row = how == "row"
+        setattr(parent, child, linear)
         parents[parent_name] = parent
     for parent in parents.values():
         if isinstance(getattr(parent, "num_attention_heads", None), int):

@@ -1,7 +1,7 @@
 """Per-rank peak memory by part and the step time of one configuration on a cluster."""
 import math
 
-from ac.budget import plan_figures
+from ac.budget import plan_figures, recompute_elems
 from ac.policies import choose_plan
 from ac.profile import profile_model
 from config import Config
@@ -131,8 +131,7 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
     recompute = figures["recompute_matmul_flops"] / cfg.micro_batch_size  # per image
     flops = images * (3 * fwd_flops + recompute)
     # memory traffic of a micro-batch: forward, backward, and the recomputed cheap ops (read twice, written once)
-    rerun = sum(p.cheap_elems if how in ("full", "selective") else p.light_elems if how == "light" else 0
-                for p, how in zip(prof, plan))
+    rerun = sum(recompute_elems(p, how) for p, how in zip(prof, plan))
     moved = 3 * prof.moved_bytes + 3 * rerun * weight_bytes
     holders = data_ranks // cfg.replicate_degree if cfg.engine == "fsdp2" else data_ranks  # ranks sharing AdamW
     optimizer_moved = OPTIMIZER_BYTES_PER_PARAM * n_params / holders if not offloaded(cfg.zero_stage, ds_config)[0] \

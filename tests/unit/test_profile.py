@@ -23,8 +23,7 @@ def synthetic_profile():
     # a Swin-like shape: early blocks hold big activations for few FLOPs
     sizes = [(800, 100), (800, 100), (400, 200), (400, 200), (200, 400), (200, 400)]
     # full recompute stops before the last third of the FLOPs; selective reruns one small matmul
-    return [BlockProfile(f"b{i}", i // 2, none, none // 2, none // 10, flops, flops * 2 // 3, flops // 20, flops // 100,
-                         None)
+    return [BlockProfile(f"b{i}", i // 2, none, none // 2, none // 10, flops, flops * 2 // 3, flops // 20, flops // 100)
             for i, (none, flops) in enumerate(sizes)]
 
 
@@ -36,9 +35,11 @@ def test_policies_reduce_measured_activation_memory(vit_small):
         apply_activation_checkpointing(m, ac, "cpu", images, log=lambda *a: None)
         measured[ac] = measure_activation_bytes(m, images)
     assert measured["none"] > measured["light"] > measured["selective"] > measured["hierarchical"] > measured["full"] > 0
-    # light gives up its blocks' norm and activation outputs, and the profile counts exactly those
+    # light gives up its blocks' norm and activation outputs, selective also the residual sums, and the profile
+    # counts exactly those
     profile = profile_blocks(model, images)
     assert measured["none"] - measured["light"] == sum(p.bytes_none - p.bytes_light for p in profile)
+    assert measured["light"] - measured["selective"] == sum(p.bytes_light - p.bytes_selective for p in profile) > 0
     assert measured["light"] < 0.7 * measured["none"]
     assert measured["selective"] < 0.6 * measured["none"]  # the target: at least 40% less
     assert measured["full"] < 0.1 * measured["none"]
@@ -56,27 +57,30 @@ def test_profile_counts_blocks_flops_and_bytes(vit_small):
     assert p.flops == linear_flops + attention_flops
     assert p.bytes_full == tokens * hidden * 4  # the block input, fp32
     assert p.bytes_grad == tokens * 4 * hidden * 4 + p.bytes_full  # fc1's output gradient and the input's
-    # compute ops in forward order: q, k, v, attention, out-projection, fc1, fc2. The backward needs all but
-    # the out-projection's and fc2's outputs, in every block (address reuse once made this vary by process)
-    assert all(b.keep == [True, True, True, True, False, True, False] for b in profile)
     # what the recompute reruns: full stops before fc2 (nothing after it is saved); selective reruns only the
-    # out-projection, whose output the next norm's saved input is computed from
+    # out-projection, to rebuild the residual sum the second norm reads (fp32: 4 bytes an element), in every block
     linear = 2 * tokens * hidden * hidden
     assert all(b.flops_full == b.flops - 4 * linear and b.flops_selective == linear for b in profile)
+    assert all(b.bytes_light - b.bytes_selective == 4 * tokens * hidden for b in profile)
+    assert all(b.selective_elems == b.light_elems + tokens * hidden for b in profile)
 
 
-def test_swin_selective_keeps_what_attention_reads_as_copies():
-    """transformers' Swin attention saves contiguous copies of q, k, v (q scaled) and of the attention output:
-    keeping those matmul outputs costs the copies' bytes and spares rerunning them. What selective reruns is
-    the out-projection (its residual sum is what the next norm saves) and the window scores q @ k^T."""
+def test_swin_selective_keeps_what_light_keeps():
+    """A Swin block's residual sums pass its window reversal (and, shifted, a roll) on their way from the
+    out-projection: no residual sum is a linear's output plus a kept tensor, so `selective` rebuilds what `light`
+    does, reruns no matmul, and the profile says so."""
     torch.manual_seed(0)
     model, _ = build_model("swin-debug", 10, 16)
-    for b, p in zip(find_blocks(model), profile_blocks(model, torch.randn(2, 3, 16, 16))):
-        # q, k, v, scores, scores @ v, out-projection, fc1, fc2
-        assert p.keep == [True, True, True, False, True, False, True, False]
-        hidden = b.module.attention.o_proj.in_features
-        tokens, window = p.bytes_full // (4 * hidden), model.config.window_size ** 2
-        assert p.flops_selective == 2 * tokens * hidden * hidden + 2 * tokens * window * hidden
+    images = torch.randn(2, 3, 16, 16)
+    profile = profile_blocks(model, images)
+    assert all(p.bytes_selective == p.bytes_light < p.bytes_none and p.flops_selective == 0 and
+               p.selective_elems == p.light_elems for p in profile)
+    measured = {}
+    for ac in ("light", "selective"):
+        m = copy.deepcopy(model)
+        apply_activation_checkpointing(m, ac, "cpu", images, log=lambda *a: None)
+        measured[ac] = measure_activation_bytes(m, images)
+    assert measured["light"] == measured["selective"]
 
 
 @pytest.mark.parametrize("name", ["vit-debug", "swin-debug"])
@@ -88,9 +92,9 @@ def test_small_batch_profile_scales_exactly(name):
     full = profile_blocks(model, images)
     small = [p.scaled(8 / PROFILE_BATCH) for p in profile_blocks(model, images[:PROFILE_BATCH])]
     for s, f in zip(small, full):
-        assert (s.bytes_none, s.bytes_selective, s.bytes_full, s.bytes_grad, s.flops, s.flops_full, s.flops_selective,
-                s.keep) == (f.bytes_none, f.bytes_selective, f.bytes_full, f.bytes_grad, f.flops, f.flops_full,
-                            f.flops_selective, f.keep)
+        assert (s.bytes_none, s.bytes_light, s.bytes_selective, s.bytes_full, s.bytes_grad, s.flops, s.flops_full,
+                s.flops_selective) == (f.bytes_none, f.bytes_light, f.bytes_selective, f.bytes_full, f.bytes_grad,
+                                       f.flops, f.flops_full, f.flops_selective)
         # Swin's relative-position bias is built once per forward, whatever the batch: its cheap-op count is
         # the one figure that does not scale (up to 5.8% off here, at swin-debug's tiny width)
         assert s.cheap_elems == pytest.approx(f.cheap_elems, rel=0.1)
@@ -100,6 +104,34 @@ def test_small_batch_profile_scales_exactly(name):
     # size, not at the whole batch's that a view's storage spans (which scaled came out 4x too large here)
     plan = apply_activation_checkpointing(model, "none", "cpu", images)
     assert plan["activation_bytes_outside_blocks"] == full.bytes_outside > 0
+
+
+@pytest.mark.parametrize("model,task,image,drop_path,tp", [
+    ("vit-digits", "classification", 32, 0.1, 1),  # block 0 drops at rate 0: it runs apart from the others
+    ("vit-digits", "mae", 32, 0.0, 1),  # the decoder's blocks are a second list
+    ("vit-base", "classification", 64, 0.0, 2),  # one rank's share under tensor parallelism
+    ("swin-tiny-w4", "simmim", 128, 0.1, 1),  # shifted and unshifted windows: two kinds per stage
+    ("segformer-b2", "segmentation", 64, 0.1, 1),
+])
+def test_profile_of_one_block_per_kind_equals_every_blocks(model, task, image, drop_path, tp):
+    """The planner's profile runs one block of each kind and repeats it: every figure equals a forward of them all."""
+    from dataclasses import asdict, replace
+
+    from ac.profile import _distinct_blocks, profile_model
+    from config import Config
+    from models.tasks import meta_model
+
+    cfg = replace(Config(), model=model, task=task, image_size=image, drop_path=drop_path, tp_size=tp, patch_size=0)
+    short, n_short, largest_short = profile_model(cfg, "cuda", torch.bfloat16)
+    every, n_every, largest_every = profile_model(cfg, "cuda", torch.bfloat16, every_block=True)
+    assert [asdict(p) for p in short] == [asdict(p) for p in every] and len(every) == len(find_blocks(meta_model(cfg)))
+    for figure in ("bytes_outside", "grad_outside", "forward_flops", "ops", "moved_bytes"):
+        assert getattr(short, figure) == getattr(every, figure) > 0 or figure == "grad_outside", figure
+    assert (n_short, largest_short) == (n_every, largest_every)
+    kinds = len(set(_distinct_blocks(meta_model(cfg)).values()))
+    assert kinds < len(every), kinds
+    if model == "swin-tiny-w4":
+        assert kinds == 2 * 4 < 12  # stage 3's six blocks run as two
 
 
 def test_profile_leaves_nothing_allocated():
@@ -168,11 +200,13 @@ def test_auto_plan_fits_every_budget_with_least_recompute():
 
 def test_activation_peak_counts_the_recomputed_block():
     """A recomputed block rematerialises what it would have saved during its backward, while the blocks
-    before it still hold theirs: with the last block selective, the peak lies above the kept total."""
+    before it still hold theirs: with the last block full, the peak lies above the kept total. `selective`'s
+    recipes rebuild one tensor at a time: its block holds what it kept."""
     profile = synthetic_profile()
-    plan = ["none"] * 5 + ["selective"]
+    plan = ["none"] * 5 + ["full"]
     kept = sum(p.bytes_none for p in profile[:5])
-    assert activation_peak(profile, plan) == kept + profile[5].bytes_none > kept + profile[5].bytes_selective
+    assert activation_peak(profile, plan) == kept + profile[5].bytes_none > kept + profile[5].bytes_full
+    assert activation_peak(profile, ["none"] * 5 + ["selective"]) == kept + profile[5].bytes_selective
     assert activation_peak(profile, ["none"] * 6) == sum(p.bytes_none for p in profile)
     for budget in range(900, 2800, 100):  # the plan is judged by its peak, not by what it keeps
         plan, peak, _ = plan_for_budget(profile, budget)
