@@ -97,6 +97,9 @@ class Recorder:
 
     def __init__(self, residual: bool):
         self.residual = residual
+        self.storage = compat.storage_id_function()
+        self.used = set()  # the linear layers whose outputs made a residual sum this recorder rebuilds
+        self.saved = False  # whether the forward running now saved anything for a backward
         self.live = None  # storage -> (output, version, recipe) of the cheap outputs; None outside the forward
         self.linears = {}  # autograd edge of a linear's output -> (linear, its input)
         self.anchors = {}  # autograd edge -> tensor: the block's inputs
@@ -104,7 +107,7 @@ class Recorder:
         self.sums = {}  # storage -> (the sum, its _Residual) of the residual sums being rebuilt
 
     def start(self, args):
-        self.live, self.linears, self.kept, self.sums = {}, {}, set(), {}
+        self.live, self.linears, self.kept, self.sums, self.saved = {}, {}, set(), {}, False
         self.anchors = {_key(a): a for a in args if isinstance(a, torch.Tensor) and a.grad_fn is not None}
 
     def stop(self):
@@ -117,9 +120,9 @@ class Recorder:
             return
         # A norm reading a residual sum that is rebuilt rebuilds its output from the rebuilt sum: holding the
         # sum itself for it would keep what `selective` gives up (ViT's second norm and its residual stream).
-        inp, rebuilt = args[0], self.sums.get(compat.storage_id(args[0]))
+        inp, rebuilt = args[0], self.sums.get(self.storage(args[0]))
         source = rebuilt[1] if rebuilt is not None and rebuilt[0]() is inp else None
-        self.live[compat.storage_id(output)] = (weakref.ref(output), output._version, _Recipe(module, inp, source))
+        self.live[self.storage(output)] = (weakref.ref(output), output._version, _Recipe(module, inp, source))
 
     def record_linear(self, module, args, output):
         """Forward hook of a linear layer."""
@@ -131,20 +134,22 @@ class Recorder:
         """The recipe that rebuilds saved tensor `t`, or None; a tensor kept as it is is remembered as kept."""
         if self.live is None:
             return None
-        entry = self.live.get(compat.storage_id(t))
+        self.saved = True
+        storage = self.storage(t)
+        entry = self.live.get(storage)
         if entry is not None:
             ref, version, recipe = entry
             out = ref()  # a freed output's storage may hold a later tensor: only a live output matches
             if out is not None and out._version == version == t._version and t.dtype == out.dtype:
                 return recipe
-        rebuilt = self.sums.get(compat.storage_id(t))
+        rebuilt = self.sums.get(storage)
         if rebuilt is not None and rebuilt[0]() is t:
             return rebuilt[1]
-        recipe = self._residual(t) if self.residual else None
+        recipe = self._residual(t) if self.residual and self.linears else None
         if recipe is None:
-            self.kept.add(compat.storage_id(t))
+            self.kept.add(storage)
         else:
-            self.sums[compat.storage_id(t)] = (weakref.ref(t), recipe)
+            self.sums[storage] = (weakref.ref(t), recipe)
         return recipe
 
     def _residual(self, t: torch.Tensor):
@@ -161,7 +166,8 @@ class Recorder:
                 continue
             module, inp = linear
             if anchor.shape == t.shape and anchor.dtype == t.dtype and \
-                    {compat.storage_id(inp), compat.storage_id(anchor)} <= self.kept:
+                    {self.storage(inp), self.storage(anchor)} <= self.kept:
+                self.used.add(module)
                 return _Residual(module, inp, anchor)
         return None
 
@@ -191,9 +197,11 @@ def wrap_recipes(block: nn.Module, residual: bool):
     recorder = Recorder(residual)
     for module in cheap_modules(block):
         module.register_forward_hook(recorder.record)
-    if residual:
-        for module in recomputable_linears(block):
-            module.register_forward_hook(recorder.record_linear)
+    # A hook makes every call of its module take torch's slower path. The block runs the same way every step:
+    # after the first forward that saves for a backward, the linear layers that made no rebuilt residual sum
+    # (all of ViT's but the attention out-projection, all of Swin's) lose theirs.
+    linear_hooks = {m: m.register_forward_hook(recorder.record_linear) for m in recomputable_linears(block)} \
+        if residual else {}
     original = block.forward
 
     def forward(*args, **kwargs):
@@ -202,6 +210,11 @@ def wrap_recipes(block: nn.Module, residual: bool):
             with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack):
                 return original(*args, **kwargs)
         finally:
+            if recorder.saved and linear_hooks:
+                for module in [m for m in linear_hooks if m not in recorder.used]:
+                    linear_hooks.pop(module).remove()
+                if not linear_hooks:
+                    recorder.residual = False
             recorder.stop()
 
     block.forward = forward

@@ -6,6 +6,7 @@ version, run tests/unit/test_compat.py under it (one test per behaviour relied o
 SUPPORTED.
 """
 import contextlib
+import functools
 import os
 
 import sys
@@ -55,8 +56,10 @@ def import_deepspeed():
     return deepspeed
 
 
+@functools.lru_cache(maxsize=None)
 def series(version: str) -> tuple[int, int]:
-    """(major, minor) of a version string: "2.11.0+cu130" -> (2, 11)."""
+    """(major, minor) of a version string: "2.11.0+cu130" -> (2, 11). Cached: the checks of the functions the
+    checkpointing recipes call per saved tensor (`storage_id`) run thousands of times a step."""
     major, minor = version.split(".")[:2]
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
@@ -362,11 +365,22 @@ def is_compiled_in_place(module: torch.nn.Module) -> bool:
     return module._compiled_call_impl is not None
 
 
+def _storage_id(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
 def storage_id(t: torch.Tensor) -> int:
     """An identity of the storage behind `t`, the same for all its views, unique among live storages, and
     defined on the meta device too, where every data pointer is 0 (the address of torch's StorageImpl)."""
     _require("torch", "storage_id")
-    return t.untyped_storage()._cdata
+    return _storage_id(t)
+
+
+def storage_id_function():
+    """`storage_id` with its version check done now, once: for the checkpointing recipes, which ask it of every
+    saved tensor of every step (ac/recompute.py)."""
+    _require("torch", "storage_id_function")
+    return _storage_id
 
 
 @contextlib.contextmanager

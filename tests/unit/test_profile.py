@@ -65,6 +65,30 @@ def test_profile_counts_blocks_flops_and_bytes(vit_small):
     assert all(b.selective_elems == b.light_elems + tokens * hidden for b in profile)
 
 
+def test_selective_keeps_the_hook_of_the_linear_it_reruns_alone():
+    """After the first forward that saves for a backward, a ViT block's linear layers other than the attention
+    out-projection lose their hooks (a hooked module takes torch's slower call path); the next forwards still
+    rebuild the residual sum: they keep the same bytes, and the gradients stay `none`'s, bit for bit."""
+    torch.manual_seed(0)
+    model, _ = build_model("vit-debug", 10, 16)
+    images = torch.randn(2, 3, 16, 16)
+    selective = copy.deepcopy(model)
+    apply_activation_checkpointing(selective, "selective", "cpu", images, log=lambda *a: None)
+    linears = [m for b in find_blocks(selective) for m in b.module.modules() if isinstance(m, torch.nn.Linear)]
+    assert all(m._forward_hooks for m in linears)
+    first, second = (measure_activation_bytes(selective, images) for _ in range(2))
+    hooked = [m for m in linears if m._forward_hooks]
+    assert len(hooked) == len(find_blocks(selective)) < len(linears)
+    assert all(m is b.module.get_submodule("attention.o_proj") for m, b in zip(hooked, find_blocks(selective)))
+    profile = profile_blocks(model, images)
+    assert first == second and measure_activation_bytes(model, images) - second == sum(
+        p.bytes_none - p.bytes_selective for p in profile)
+    for m in (model, selective):
+        for _ in range(2):
+            m(images).logits.square().sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), selective.parameters()))
+
+
 def test_swin_selective_keeps_what_light_keeps():
     """A Swin block's residual sums pass its window reversal (and, shifted, a roll) on their way from the
     out-projection: no residual sum is a linear's output plus a kept tensor, so `selective` rebuilds what `light`
