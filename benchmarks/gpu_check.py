@@ -318,13 +318,6 @@ TRAINER_RUNS = [("fsdp2", 3, "none"), ("fsdp2", 3, "light"), ("fsdp2", 3, "selec
                 ("deepspeed", 3, "light"), ("deepspeed", 2, "none"), ("deepspeed", 1, "none")]
 
 
-def steady_images_per_sec(records: list, first: int) -> float | None:
-    """Images over seconds of the steps from `first` on: each record carries its logging interval's images/s."""
-    steady = [r for r in records if r["step"] >= first]
-    # each step is one global batch B, which took B / (its interval's images/s) seconds
-    return len(steady) / sum(1 / r["images_per_sec"] for r in steady) if steady else None
-
-
 def trainer_job(check: Check, name: str, engine: str, stage: int, ac: str, micro: int, *extra) -> dict:
     """One train.py job on synthetic data: its steady images/s, peak memory and the loss it ended at."""
     out = os.path.join(check.work, name)
@@ -337,6 +330,8 @@ def trainer_job(check: Check, name: str, engine: str, stage: int, ac: str, micro
     rc = check.torchrun("train.py", *args)
     if rc != 0 or not os.path.exists(os.path.join(out, "summary.json")):
         return {"error": f"train.py exited {rc} (gpu_check.log)", "seconds": round(time.monotonic() - started, 1)}
+    from benchmarks.measure import steady_images_per_sec
+
     with open(os.path.join(out, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     shutil.rmtree(os.path.join(out, "hf_model"), ignore_errors=True)  # the scratch disk: a ViT-L export is 1.2 GB
@@ -485,6 +480,8 @@ def race_trainer_job(check: Check, name: str, engine: str, stage: int, ac: str, 
     if rc != 0 or not os.path.exists(os.path.join(out, "summary.json")):
         return {"error": f"train.py exited {rc} (gpu_check.log)", "micro_batch_size": micro,
                 "seconds": round(time.monotonic() - started, 1)}
+    from benchmarks.measure import steady_images_per_sec
+
     with open(os.path.join(out, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     shutil.rmtree(os.path.join(out, "hf_model"), ignore_errors=True)

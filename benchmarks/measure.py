@@ -94,6 +94,17 @@ def datasheet_gflops() -> float | None:
     return next((tflops * 1e3 for key, tflops in GPU_BF16_PEAK_TFLOPS.items() if key in name), None)
 
 
+def steady_images_per_sec(records: list, first: int) -> float | None:
+    """train.py's images/s over its steps from `first` on, from its metrics.jsonl records: each step record
+    carries its logging interval's images/s, the interval ending at the record's step and starting after the
+    previous one's; an interval that starts before `first` is left out."""
+    steps = [r for r in records if "images_per_sec" in r]
+    spans = [(r["step"] - (prev["step"] if prev else 0), r) for prev, r in zip([None, *steps[:-1]], steps)]
+    steady = [(n, r["images_per_sec"]) for n, r in spans if r["step"] - n + 1 >= first]
+    # each step is one global batch B: an interval of n steps took n * B / (its images/s) seconds
+    return sum(n for n, _ in steady) / sum(n / ips for n, ips in steady) if steady else None
+
+
 def model_flops_per_image(shape: Shape) -> float:
     """Forward + backward FLOPs of the model as defined (no recompute), counted by torch."""
     from engine import compat

@@ -9,16 +9,22 @@ mechanism. A suite with a `global_batch` (benchmarks/suites.py) runs in two phas
 runs every configuration once, which measures its peak (deterministic) and a first images/s; then the
 confirmation repeats run, in alternating order, only the finalists: the fastest `FINALISTS` of each side that
 fit each budget. The ratios come from the confirmation repeats alone, so the repeat that chose a finalist
-does not also judge it.
+does not also judge it. A last phase runs what a user gets: this project's fastest at each budget through
+train.py itself (synthetic data, the same micro-batch and accumulation), paired in alternating order with plain
+FSDP2's fastest through the worker, and the midpoint's fastest through the worker too (train.py against the
+worker on one configuration).
 """
 import statistics
 
-from benchmarks.report import by_repeat, fmt_ratio, judged, paired_ratio, peak_of, straddles
+from benchmarks.report import both, by_repeat, fmt_ratio, judged, paired_ratio, peak_of, straddles
 from benchmarks.suites import MiB, Run, Suite, runs_of
 
 FINALISTS = 2  # per side and budget
 BUDGET_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)  # of the way from FSDP2 + HF full AC's peak to plain FSDP2's
 TARGET = 1.15  # this project's fastest over plain FSDP2's fastest, at the midpoint budget
+TRAINER_TOLERANCE = 0.05  # train.py against the worker on the same configuration
+TRAINER = " [train.py]"  # a configuration's name in the last phase, run through train.py
+BESIDE = " [worker, train.py phase]"  # ... and through the worker in that phase: the repeats train.py pairs with
 
 
 def largest_micro(suite: Suite, shape) -> int:
@@ -89,8 +95,35 @@ def race_rows(suite: Suite, rows: list, results: list) -> list:
                 entry[f"{key}_ratio"] = paired_ratio(confirmed(results, shape.label, entry[key]),
                                                      confirmed(results, shape.label, theirs)) \
                     if entry[key] and theirs else None
+            entry.update(trainer_figures(results, shape.label, ours, theirs))
             out.append(entry)
     return out
+
+
+def trainer_figures(results: list, shape_label: str, ours: str | None, plain: str | None) -> dict:
+    """The last phase's figures at one budget: this project's fastest through train.py (median images/s and step
+    peak), its ratio to plain FSDP2's fastest through the worker in the same repeats, and to itself through the
+    worker (where that ran); None where the phase did not run them."""
+    via = confirmed(results, shape_label, ours + TRAINER) if ours else {}
+    beside = lambda name: confirmed(results, shape_label, name + BESIDE) if name else {}  # noqa: E731
+    peaks = [max(r["step_peak_bytes"]) for r in results
+             if r["shape"] == shape_label and ours and r["run"] == ours + TRAINER and "error" not in r]
+    return {"trainer_speed": statistics.median(via.values()) if via else None,
+            "trainer_step_peak_mib": statistics.median(peaks) / MiB if peaks else None,
+            "trainer_ratio": paired_ratio(via, beside(plain)) if via and beside(plain) else None,
+            "trainer_vs_worker": paired_ratio(via, beside(ours)) if via and beside(ours) else None}
+
+
+def trainer_jobs(suite: Suite, rows: list, results: list) -> list:
+    """The last phase's jobs, from the confirmation repeats' winners: (shape label, configuration, side), side
+    `train.py` for this project's fastest at each budget, `worker` for plain FSDP2's fastest at each budget and
+    for this project's fastest at the midpoint; each once."""
+    jobs = []
+    for e in race_rows(suite, rows, results):
+        wanted = [(e["ours"], "train.py"), (e["plain"], "worker")] + ([(e["ours"], "worker")] if e["fraction"] == 0.5
+                                                                      else [])
+        jobs += [(e["shape"], name, side) for name, side in wanted if name]
+    return list(dict.fromkeys(jobs))
 
 
 def race_targets(suite: Suite, rows: list, results: list) -> list:
@@ -110,6 +143,20 @@ def race_targets(suite: Suite, rows: list, results: list) -> list:
                     f"{fmt_ratio(r)}{straddles(r, TARGET)}: {e['ours']} {e['speed'][e['ours']]:.2f} img/s at "
                     f"{e['peaks'][e['ours']]:.0f} MiB vs {e['plain']} {e['speed'][e['plain']]:.2f} img/s at "
                     f"{e['peaks'][e['plain']]:.0f} MiB"))
+        if not e["ours"]:
+            continue
+        short = e["shape"].split(",")[0]
+        r = e["trainer_ratio"]
+        out.append((f"Micro-batch race, {short}, through train.py: at {e['budget_mib']:.0f} MiB, this project's "
+                    f"fastest / plain FSDP2's fastest >= {TARGET:.2f}x", judged(r, TARGET, at_least=True),
+                    f"{fmt_ratio(r)}{straddles(r, TARGET)}: {e['ours']} through train.py "
+                    f"{e['trainer_speed']:.2f} img/s" if r else "the train.py phase did not run it"))
+        r = e["trainer_vs_worker"]
+        low, high = 1 - TRAINER_TOLERANCE, 1 + TRAINER_TOLERANCE
+        verdict = both(judged(r, low, at_least=True), judged(r, high, at_least=False)) if r else "not measured"
+        out.append((f"Micro-batch race, {short}: {e['ours']} through train.py / through the worker within "
+                    f"{TRAINER_TOLERANCE:.0%}", verdict, f"{fmt_ratio(r)}{straddles(r, low)}{straddles(r, high)}"
+                    if r else "the train.py phase did not run it"))
     return out
 
 
@@ -126,6 +173,23 @@ def race_markdown(suite: Suite, rows: list, results: list) -> str:
         lines.append(f"| {e['shape'].split(',')[0]} | {e['budget_mib']:.0f}{' *' if e['fraction'] == 0.5 else ''} | "
                      f"{cell(e['plain'])} | {cell(e['ours'])} | {fmt_ratio(e['ours_ratio'])} | "
                      f"{e['deepspeed'] or 'none fits'} | {fmt_ratio(e['deepspeed_ratio'])} |")
+    trained = [e for e in race_rows(suite, rows, results) if e["trainer_speed"]]
+    if trained:
+        lines += ["", "### Through train.py", "",
+                  "This project's fastest at each budget run through train.py itself (synthetic data: no shards read; "
+                  "its schedule, clipping and loop; the loss read once after the untimed steps and once after the timed "
+                  "ones), paired in the last phase's repeats with "
+                  "plain FSDP2's fastest through the worker; the midpoint's fastest through the worker too. Step "
+                  "peak: the profiled step's allocation above what it started with, train.py's against the worker's.",
+                  "", "| shape | budget MiB | this project's fastest | train.py images/s | step peak MiB, train.py "
+                  "(worker) | ratio to plain FSDP2's fastest | train.py / worker |", "|---|---|---|---|---|---|---|"]
+        worker_step = {(r["shape"], r["config"]): r.get("step_peak_mib") for r in rows}
+        for e in trained:
+            worker = worker_step.get((e["shape"], e["ours"]))
+            lines.append(f"| {e['shape'].split(',')[0]} | {e['budget_mib']:.0f}{' *' if e['fraction'] == 0.5 else ''} "
+                         f"| {e['ours']} | {e['trainer_speed']:.2f} | {e['trainer_step_peak_mib']:.0f} "
+                         f"({worker if worker in ('', None) else f'{worker:.0f}'}) | {fmt_ratio(e['trainer_ratio'])} | "
+                         f"{fmt_ratio(e['trainer_vs_worker'])} |")
     return "\n".join(lines) + "\n"
 
 

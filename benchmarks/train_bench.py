@@ -17,7 +17,6 @@ import argparse
 import csv
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,11 +25,12 @@ import time
 import torch
 
 from benchmarks.measure import (CPU_ALLOCATOR_ENV, REPO, calibrate, environment, gemm_gflops, gpu_peak_gflops,
-                                model_flops_per_image)
+                                model_flops_per_image, steady_images_per_sec)
 from benchmarks.report import check_targets, compare, peak_of, plot, summarise, write_markdown
-from benchmarks.race import finalists, plot_race, race_markdown, race_targets
+from benchmarks.race import BESIDE, TRAINER, finalists, plot_race, race_markdown, race_targets, trainer_jobs
 from benchmarks.suites import SUITES, MiB, Run, Shape, Suite, fsdp2, micro_and_accum, runs_of
 from benchmarks.validate import write_validation
+from engine.distributed import free_port
 from planner.calibration import median_calibration
 
 
@@ -73,11 +73,8 @@ def run_worker(spec: dict, ranks: int, threads: int, timeout_s: int) -> tuple[di
     the result with the job's wall seconds."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", str(ranks),
-               "--master_port", str(port), "-m", "benchmarks.bench_worker",
+               "--master_port", str(free_port()), "-m", "benchmarks.bench_worker",
                "--spec", json.dumps(spec), "--out", out]
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1",
                    **CPU_ALLOCATOR_ENV)
@@ -91,6 +88,73 @@ def run_worker(spec: dict, ranks: int, threads: int, timeout_s: int) -> tuple[di
         result = {"error": tail} if failed else json.load(open(out))
     result["job_seconds"] = time.perf_counter() - start
     return result, tail if failed else ""
+
+
+def run_trainer_job(suite: Suite, shape: Shape, run: Run, threads: int) -> tuple[dict, str]:
+    """One configuration through train.py itself under torchrun, as the worker runs it: synthetic data (no shards
+    read), the same micro-batch and accumulation; its images/s over the suite's timed steps (from metrics.jsonl),
+    its profiled step's peak above what that step started with, and the loss it ended at."""
+    micro, accum = micro_and_accum(suite, shape, run)
+    # train.py's first step is its warm-up and its second its profiled one (CPU); then the suite's untimed steps,
+    # read from the device once at their end, then the timed ones, read at the end
+    steps, first = 2 + suite.warmup_steps + suite.timed_steps, 3 + suite.warmup_steps
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", str(suite.ranks),
+               "--master_port", str(free_port()), "train.py", "--model", shape.model, "--num_labels", "10",
+               "--image_size", str(shape.image_size), "--patch_size", str(shape.patch_size), "--engine", run.engine,
+               # FSDP2's resharding is read from the stage: 3 reshards after forward, 2 keeps the gathered weights
+               "--zero_stage", str(run.zero if run.engine == "deepspeed" else 3 if run.reshard else 2),
+               "--ac", run.ac, "--compile", str(run.compile).lower(), "--micro_batch_size", str(micro),
+               "--grad_accum_steps", str(accum), "--data_mode", "synthetic", "--max_steps", str(steps),
+               "--warmup_steps", "20", "--log_every", str(first - 1), "--eval_every", "0", "--save_every", "0",
+               "--progress", "false", "--output_dir", os.path.join(tmp, "run")]
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1",
+                   **CPU_ALLOCATOR_ENV)
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=suite.timeout_s)
+            metrics = os.path.join(tmp, "run", "metrics.jsonl")
+            failed, tail = proc.returncode != 0 or not os.path.exists(metrics), (proc.stdout + proc.stderr)[-3000:]
+        except subprocess.TimeoutExpired:
+            failed, tail = True, f"timed out after {suite.timeout_s} s"
+        if failed:
+            return {"error": tail, "job_seconds": time.perf_counter() - start}, tail
+        with open(metrics) as f:
+            records = [json.loads(line) for line in f]
+    steps_of = [r for r in records if "images_per_sec" in r]
+    peaks = [r["mem/step_peak_alloc_bytes"] for r in records if "mem/step_peak_alloc_bytes" in r]
+    return {"images_per_sec": steady_images_per_sec(steps_of, first),
+            "step_peak_bytes": peaks, "loss": steps_of[-1]["loss"], "micro_batch_size": micro, "grad_accum_steps": accum,
+            "job_seconds": time.perf_counter() - start}, ""
+
+
+def run_trainer_phase(suite: Suite, results: list, threads: int, out_dir: str, log, bar) -> None:
+    """The race's last phase (benchmarks/race.py): each winner of the confirmation repeats through train.py or
+    the worker again, in alternating order, `suite.repeats` times; appended to `results` and the log."""
+    flops = {s.label: model_flops_per_image(s) for s in suite.shapes}
+    rows = summarise(results, suite.shapes, suite, flops, 1.0)
+    jobs = trainer_jobs(suite, rows, results)
+    shapes = {s.label: s for s in suite.shapes}
+    runs = {(s.label, run.name): run for s in suite.shapes for run in runs_of(suite, s)}
+    bar.total = bar.n + len(jobs) * suite.repeats
+    for repeat in range(1, suite.repeats + 1):
+        for label, name, side in (jobs if repeat % 2 else jobs[::-1]):
+            shape, run = shapes[label], runs[(label, name)]
+            bar.set_postfix_str(f"{name} through {side}")
+            if side == "train.py":
+                r, tail = run_trainer_job(suite, shape, run, threads)
+            else:
+                r = run_job(suite, shape, run, None, repeat, threads, out_dir)
+                tail = ""
+            r.update(shape=label, run=name + (TRAINER if side == "train.py" else BESIDE), config=name, side=side,
+                     phase="train.py", repeat=repeat)
+            if tail:
+                with open(os.path.join(out_dir, "failed.log"), "a") as f:
+                    f.write(f"=== {label} | {name} through train.py | repeat {repeat}\n{tail}\n")
+            results.append(r)
+            log.write(json.dumps(r) + "\n")
+            log.flush()
+            bar.update()
 
 
 def main(argv=None):
@@ -193,6 +257,8 @@ def main(argv=None):
                 bar.update()
             if not torch.cuda.is_available():
                 gemm += gemm_gflops(threads)  # the peak, re-measured between repeats: the machine drifts
+        if suite.global_batch:  # the race's winners through train.py itself
+            run_trainer_phase(suite, results, threads, out_dir, log, bar)
     bar.close()
     return write_report(out_dir, args.suite, suite, results, gemm, threads, (time.perf_counter() - started) / 60,
                   args.compare, calibrations={k: median_calibration(v) for k, v in calibrations.items() if v})

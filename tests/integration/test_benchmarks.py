@@ -91,9 +91,19 @@ def test_race_smoke_suite(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = [json.loads(line) for line in open(tmp_path / "runs.jsonl")]
     screened = {r["run"] for r in runs if r["repeat"] == 0}
-    assert len(screened) == 6 and not any("error" in r for r in runs)
+    assert len(screened) == 8 and not any("error" in r for r in runs)
+    phase = [r for r in runs if r.get("phase") == "train.py"]
+    runs = [r for r in runs if "phase" not in r]
     confirmed = {r["run"] for r in runs if r["repeat"] == 1}
     assert confirmed <= screened and {"FSDP2 + none @ micro 4", "FSDP2 + HF full AC @ micro 4"} <= confirmed
+    # the last phase: this project's winners through train.py itself, accumulating as the worker does, paired
+    # with plain FSDP2's winners through the worker
+    trained = [r for r in phase if r["side"] == "train.py"]
+    assert trained and {r["config"] for r in phase} <= confirmed and {r["side"] for r in phase} == {"train.py", "worker"}
+    for r in trained:
+        micro = int(r["config"].rsplit(" ", 1)[1])
+        assert (r["micro_batch_size"], r["grad_accum_steps"]) == (micro, 8 // (2 * micro))
+        assert r["images_per_sec"] > 0 and r["step_peak_bytes"][0] > 0 and r["loss"] > 0
     for r in runs:  # 8 images per step over 2 ranks: micro 2 accumulates 2, micro 4 once
         micro = int(r["run"].rsplit(" ", 1)[1])
         assert (r["spec"]["micro_batch_size"], r["spec"]["grad_accum_steps"]) == (micro, 8 // (2 * micro))
@@ -102,7 +112,7 @@ def test_race_smoke_suite(tmp_path):
     rows = list(csv.DictReader(open(tmp_path / "results.csv")))
     assert all(float(r["loss_rel_diff"]) < 1e-5 for r in rows)
     md = (tmp_path / "results.md").read_text()
-    assert "## The micro-batch race" in md and "Micro-batch race, vit-debug" in md
+    assert "## The micro-batch race" in md and "Micro-batch race, vit-debug" in md and "### Through train.py" in md
     assert (tmp_path / "race.png").stat().st_size > 20_000
 
 

@@ -132,11 +132,40 @@ def test_micro_race_confirms_the_fastest_that_fit_and_judges_them_on_the_confirm
                                                               60)
     ratio = mid["ours_ratio"]
     assert ratio[3] == 5 and ratio[0] == pytest.approx((12 * 12.5 * 12 * 13 * 12.5) ** 0.2 / 10)
-    (name, verdict, figures), = race_targets(suite, rows, results)
+    (name, verdict, figures), *through_trainer = race_targets(suite, rows, results)
     assert verdict is True and "ZeRO-3 + selective @ micro 4" in figures  # 1.24x, its interval above 1.15
+    # the train.py phase did not run: its two targets are not measured, not met
+    assert [v for _, v, _ in through_trainer] == ["not measured", "not measured"]
     # a budget nothing of this project fits: the lowest
     low = next(e for e in race_rows(suite, rows, results) if e["fraction"] == 0.0)
     assert low["ours"] is None and low["plain"] == "FSDP2 + HF full AC @ micro 4"
+
+    # the last phase: each budget's winners once, this project's through train.py and plain FSDP2's through the
+    # worker, and the midpoint's winner through the worker too
+    from benchmarks.race import BESIDE, TRAINER, trainer_jobs
+
+    jobs = trainer_jobs(suite, rows, results)
+    assert len(jobs) == len(set(jobs))
+    assert ("s", "ZeRO-3 + selective @ micro 4", "train.py") in jobs and \
+        ("s", "ZeRO-3 + selective @ micro 4", "worker") in jobs and ("s", "FSDP2 + none @ micro 2", "worker") in jobs
+    assert not any(side == "train.py" and name.startswith("FSDP2 + ") for _, name, side in jobs)
+    # train.py 5% under the worker and 1.2x plain FSDP2's fastest in the same repeats; its ratios are paired
+    # within the phase, not with the confirmation repeats'
+    phase = {"ZeRO-3 + selective @ micro 4" + TRAINER: [0, 12.0, 11.4, 12.6, 12.0, 12.0],
+             "ZeRO-3 + selective @ micro 4" + BESIDE: [0, 12.6, 12.0, 13.2, 12.6, 12.6],
+             "FSDP2 + none @ micro 2" + BESIDE: [0, 10.0, 9.5, 10.5, 10.0, 10.0]}
+    trained = [dict(r, step_peak_bytes=[50 * 2**20] * 2) for r in _race_results(phase, {k: 55 for k in phase}, 6)
+               if r["repeat"] > 0]
+    mid = next(e for e in race_rows(suite, rows, results + trained) if e["fraction"] == 0.5)
+    assert mid["ours_ratio"] == ratio  # the confirmation repeats' verdict is untouched by the phase
+    assert mid["trainer_speed"] == 12.0 and mid["trainer_step_peak_mib"] == 50
+    assert mid["trainer_ratio"][0] == pytest.approx(1.2) and mid["trainer_ratio"][3] == 5
+    assert mid["trainer_vs_worker"][0] == pytest.approx((12 / 12.6 * 11.4 / 12 * 12.6 / 13.2 * 12 / 12.6 * 12 / 12.6) ** 0.2)
+    (_, _, _), (_, on_trainer, _), (_, within, figures) = race_targets(suite, rows, results + trained)
+    assert on_trainer is True  # 1.2x in every repeat: above 1.15
+    assert within is True and figures.startswith("0.952 [0.95")  # 4.6-5.0% under in every repeat: within 5%
+    slower = [dict(r, images_per_sec=r["images_per_sec"] * 0.9) if r["run"].endswith(TRAINER) else r for r in trained]
+    assert race_targets(suite, rows, results + slower)[2][1] is False  # ~14% under: missed
 
 
 def test_a_micro_batch_that_does_not_divide_the_global_batch_is_refused():
@@ -163,3 +192,19 @@ def test_the_memory_target_reads_the_paired_intervals_not_the_medians():
     assert verdict == UNDECIDED and "the interval straddles the target" in figures, figures
     level = {"ZeRO-3 + none": [10.0] * 5, "ZeRO-3 + full": [9.6] * 5}
     assert memory_target(_race_results(level, peaks, 5), "s", rows, rows[0])[1] is True
+
+
+def test_train_pys_steady_images_per_sec_weighs_each_logging_interval_by_its_steps():
+    from benchmarks.measure import steady_images_per_sec
+
+    # reads after steps 1 and 2 (warm-up, profiled), then every 3: intervals [3..3]... as train.py logs them,
+    # with an evaluation record between (no images/s) that is not a step
+    records = [{"step": 1, "images_per_sec": 1.0}, {"step": 2, "images_per_sec": 2.0},
+               {"step": 3, "images_per_sec": 50.0}, {"step": 6, "images_per_sec": 100.0},
+               {"step": 6, "val_top1": 0.1}, {"step": 7, "images_per_sec": 25.0}]
+    # from step 4: 3 steps at 100 and 1 at 25 take 3/100 + 1/25 of a batch-second: 4 / 0.07 images per batch
+    assert steady_images_per_sec(records, 4) == pytest.approx(4 / (3 / 100 + 1 / 25))
+    assert steady_images_per_sec(records, 3) == pytest.approx(5 / (1 / 50 + 3 / 100 + 1 / 25))
+    # an interval that begins before `first` is not steady: from step 5, [4..6] is left out
+    assert steady_images_per_sec(records, 5) == pytest.approx(25.0)
+    assert steady_images_per_sec(records, 8) is None
