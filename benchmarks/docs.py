@@ -365,6 +365,9 @@ def benchmark_lines(doc: str) -> str:
         if e["ours_ratio"]:
             text += (f"; free to pick the micro-batch at the midpoint budget ({e['budget_mib']:.0f} MiB), this "
                      f"project's best ({e['ours']}) is {fmt_ratio(e['ours_ratio'])}× plain FSDP2's ({e['plain']})")
+        if e["trainer_ratio"]:  # the race's last phase: the same configuration run by train.py itself
+            text += (f", and {fmt_ratio(e['trainer_ratio'])}× run by train.py itself ({e['trainer_speed']:.1f} "
+                     f"images/s, {fmt_ratio(e['trainer_vs_worker'])}× the worker's)")
     for e in low:
         if e["ours_ratio"]:
             text += f"; at the smallest budget ({e['budget_mib']:.0f} MiB) {fmt_ratio(e['ours_ratio'])}×"
@@ -504,8 +507,9 @@ def planner_line(doc: str) -> str:
     cpu = rows_of("cpu")
     host = rows_of("host") + rows_of("race")
     within = sum(abs(r["step_error"]) <= STEP_TOLERANCE for r in host)
-    reprobed = any(c.get("host_replaces_run") for suite in ("host", "race") for c in json.load(open(os.path.join(
-        report_dir(suite), "calibration.json"))).values())
+    saved = [os.path.join(report_dir(suite), "calibration.json") for suite in ("host", "race")]
+    reprobed = any(c.get("host_replaces_run") for path in saved if os.path.exists(path)
+                   for c in json.load(open(path)).values())
     probe = ("the host probed at validation, in place of the runs' own probes ([why](benchmarks/results/"
              "planner-analysis/2026-12-03.md))" if reprobed else "the runs' own host probe")
     _, date, errors = h200_planner_errors()

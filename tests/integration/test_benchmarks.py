@@ -81,7 +81,8 @@ def test_cpu_smoke_suite(tmp_path):
             assert f"| {r['config']} | {float(r['planned_peak_mib']):.1f} |" in planner, r["config"]
 
 
-# slow (~2 min): the race's harness end to end; its choice of finalists and its verdicts: tests/unit/test_verdicts.py
+# slow (~4 min): the race's harness end to end, its train.py phase included; its choice of finalists and its
+# verdicts: tests/unit/test_verdicts.py
 @pytest.mark.slow
 def test_race_smoke_suite(tmp_path):
     """The micro-batch race end to end: every configuration screened once, the finalists confirmed, each job
