@@ -105,13 +105,14 @@ def trainer_figures(results: list, shape_label: str, ours: str | None, plain: st
     peak), its ratio to plain FSDP2's fastest through the worker in the same repeats, and to itself through the
     worker (where that ran); None where the phase did not run them."""
     via = confirmed(results, shape_label, ours + TRAINER) if ours else {}
-    beside = lambda name: confirmed(results, shape_label, name + BESIDE) if name else {}  # noqa: E731
+    plain_beside = confirmed(results, shape_label, plain + BESIDE) if plain else {}
+    ours_beside = confirmed(results, shape_label, ours + BESIDE) if ours else {}
     peaks = [max(r["step_peak_bytes"]) for r in results
              if r["shape"] == shape_label and ours and r["run"] == ours + TRAINER and "error" not in r]
     return {"trainer_speed": statistics.median(via.values()) if via else None,
             "trainer_step_peak_mib": statistics.median(peaks) / MiB if peaks else None,
-            "trainer_ratio": paired_ratio(via, beside(plain)) if via and beside(plain) else None,
-            "trainer_vs_worker": paired_ratio(via, beside(ours)) if via and beside(ours) else None}
+            "trainer_ratio": paired_ratio(via, plain_beside) if via and plain_beside else None,
+            "trainer_vs_worker": paired_ratio(via, ours_beside) if via and ours_beside else None}
 
 
 def trainer_jobs(suite: Suite, rows: list, results: list) -> list:
@@ -153,7 +154,7 @@ def race_targets(suite: Suite, rows: list, results: list) -> list:
                     f"{e['trainer_speed']:.2f} img/s" if r else "the train.py phase did not run it"))
         r = e["trainer_vs_worker"]
         low, high = 1 - TRAINER_TOLERANCE, 1 + TRAINER_TOLERANCE
-        verdict = both(judged(r, low, at_least=True), judged(r, high, at_least=False)) if r else "not measured"
+        verdict = both(judged(r, low, at_least=True), judged(r, high, at_least=False))  # None: not measured
         out.append((f"Micro-batch race, {short}: {e['ours']} through train.py / through the worker within "
                     f"{TRAINER_TOLERANCE:.0%}", verdict, f"{fmt_ratio(r)}{straddles(r, low)}{straddles(r, high)}"
                     if r else "the train.py phase did not run it"))
@@ -167,13 +168,14 @@ def race_markdown(suite: Suite, rows: list, results: list) -> str:
              "ratios paired within them, with 95% bootstrap intervals.", "",
              "| shape | budget MiB | plain FSDP2's fastest | images/s | this project's fastest | images/s | ratio | "
              "DeepSpeed's fastest | ratio |", "|---|---|---|---|---|---|---|---|---|"]
-    for e in race_rows(suite, rows, results):
+    entries = race_rows(suite, rows, results)
+    for e in entries:
         s = e["speed"]
         cell = lambda k: f"{k} | {s[k]:.2f}" if k else "none fits |"  # noqa: E731
         lines.append(f"| {e['shape'].split(',')[0]} | {e['budget_mib']:.0f}{' *' if e['fraction'] == 0.5 else ''} | "
                      f"{cell(e['plain'])} | {cell(e['ours'])} | {fmt_ratio(e['ours_ratio'])} | "
                      f"{e['deepspeed'] or 'none fits'} | {fmt_ratio(e['deepspeed_ratio'])} |")
-    trained = [e for e in race_rows(suite, rows, results) if e["trainer_speed"]]
+    trained = [e for e in entries if e["trainer_speed"]]
     if trained:
         lines += ["", "### Through train.py", "",
                   "This project's fastest at each budget run through train.py itself (synthetic data: no shards read; "

@@ -111,8 +111,7 @@ def test_validate_predicts_the_host_bound_suite_with_the_host_probe():
     predicted with the host probe the run measured in its first repeat: the probe's host seconds carry the
     prediction most of the way, where the operators alone (the assumed step) fall more than 80% short, and
     ZeRO-3's micro-batches are host-bound. Whether each step lands within the ±25% target is the committed run's
-    figure, rendered into README and docs/planner.md (the 2026-12-06 run on the Intel VM: none of 4, −26% to
-    −30%; the 2026-12-03 run on the AMD VM, re-probed: 4 of 4), not this test's."""
+    figure, rendered into README and docs/planner.md, not this test's."""
     proc = run_entry("benchmarks.validate", "benchmarks/results/host/results.csv", "--json", timeout=300)
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
