@@ -24,22 +24,52 @@ the checkpoint; parameter names and `state_dict` keys do not change. How plans a
 docs/activation_checkpointing.md.
 """
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ac.budget import default_hierarchical_k, plan_figures, plan_for_budget
 from ac.recompute import wrap_recipes
-from ac.profile import PROFILE_BATCH, Profile, profile_blocks
+from ac.profile import COMPUTE_OPS, LINEAR_OPS, PROFILE_BATCH, Profile, profile_blocks
 from config import ConfigError
 from models.blocks import Block, find_blocks
 
 POLICIES = ("none", "light", "full", "every_n:K", "selective", "hierarchical[:K]", "offload", "auto:BUDGET_GB")
 
 
-def _wrap(block: Block, how: str):
+def traced_policy(rerun: tuple = ()):
+    """`light` and `selective` as an operator policy, for blocks torch.compile traces: the outputs of the
+    matmuls and attention kernels are saved (the partitioner keeps those the backward reads), every other
+    operator's output is recomputed in the backward, inside the compiled backward's fused kernels; with `rerun`
+    (`selective`: the positions among the block's mm/addmm of the linear layers whose residual sums its recipes
+    rebuild, ac/profile.py) those linears rerun too. Applied when the graph is traced, it costs no Python per
+    step. A fresh policy per checkpointed call, with separate counters for the forward and an eager recompute,
+    which replay the same operators in the same order."""
+    seen = {False: 0, True: 0}
+
+    def policy(ctx, op, *args, **kwargs):
+        if op in LINEAR_OPS:
+            i = seen[ctx.is_recompute]
+            seen[ctx.is_recompute] += 1
+            return CheckpointPolicy.PREFER_RECOMPUTE if i in rerun else CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.MUST_SAVE if op in COMPUTE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _wrap(block: Block, how: str, compiled: bool = False, rerun: tuple = ()):
     original = block.module.forward
     if how == "full":
         def forward(*args, **kwargs):
             return checkpoint(original, *args, use_reentrant=False, **kwargs)
+    elif how in ("light", "selective") and compiled:
+        # The recipes' saved-tensor and module hooks would cut the compiled block where they sit: the same
+        # recomputation, decided when torch.compile traces the block
+        rerun = rerun if how == "selective" else ()
+
+        def context():
+            return create_selective_checkpoint_contexts(traced_policy(rerun))
+
+        def forward(*args, **kwargs):
+            return checkpoint(original, *args, use_reentrant=False, context_fn=context, **kwargs)
     elif how in ("light", "selective"):
         wrap_recipes(block.module, residual=how == "selective")
         return
@@ -104,8 +134,11 @@ def choose_plan(ac: str, blocks: list[Block], profile, fixed: dict) -> list:
 
 
 def apply_activation_checkpointing(model, ac: str, device_type: str, profile_images=None, fixed: dict = None,
-                                   log=print, profile: Profile = None) -> dict:
+                                   log=print, profile: Profile = None, compiled: bool = False) -> dict:
     """Wrap the model's blocks per policy `ac`; returns the plan that was applied (for the run directory).
+
+    `compiled`: the blocks will be traced by torch.compile, so `light` and `selective` are applied as an operator
+    policy at trace time (`traced_policy`; `selective`'s linears from the profile) instead of the recipes' hooks.
 
     `profile`: the blocks' profile at the micro-batch, if made already (ac.profile.profile_model, on the meta device);
     otherwise one forward of `profile_images` makes it. `fixed`: the bytes that do not depend on the batch when the backward starts and at the optimizer step
@@ -128,10 +161,14 @@ def apply_activation_checkpointing(model, ac: str, device_type: str, profile_ima
     if profile is not None and [p.name for p in profile] != [b.name for b in blocks]:
         raise RuntimeError(f"the profile's blocks ({len(profile)}) are not the model's ({len(blocks)})")
     plan = choose_plan(ac, blocks, profile, fixed)
-    for block, how in zip(blocks, plan):
+    for i, (block, how) in enumerate(zip(blocks, plan)):
         if how != "none":
-            _wrap(block, how)
+            _wrap(block, how, compiled, profile[i].rerun_linears if profile is not None else ())
     result = {"ac": ac, "blocks": [{"name": b.name, "stage": b.stage, "policy": how} for b, how in zip(blocks, plan)]}
+    if compiled and {"light", "selective"} & set(plan):
+        result["traced"] = True  # light/selective as an operator policy at trace time
+        log(f"ac {ac}: light and selective applied by torch.compile when it traces each block (matmul and attention "
+            "outputs kept, the other operators recomputed in the compiled backward)")
     if profile is not None:
         result["profile"] = [p.__dict__ for p in profile]
         result.update(plan_figures(profile, plan, fixed))

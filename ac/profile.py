@@ -16,6 +16,7 @@ UNSAFE_VIEW = compat.internal_copy_and_view_ops()[1]
 # outputs worth keeping: the ops that hold the FLOPs
 COMPUTE_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.convolution.default,
                *compat.attention_kernels()}
+LINEAR_OPS = (aten.mm.default, aten.addmm.default)  # what an nn.Linear reaches the dispatcher as
 PROFILE_BATCH = 2  # images the one-batch profile runs; its figures are scaled to the micro-batch
 
 
@@ -43,6 +44,9 @@ class BlockProfile:
     selective_elems: int = 0  # elements `selective` recomputes: `light`'s and the residual sums'
     ops: int = 0  # operators the block's forward dispatches, views excepted (not scaled with the batch)
     moved: int = 0  # bytes its memory-bound operators read and write
+    # the positions, among the mm/addmm operators of the block's forward in order, of the linear layers whose
+    # residual sums `selective` rebuilds: its operator policy under torch.compile (ac/policies.py)
+    rerun_linears: tuple = ()
 
     def scaled(self, factor: float) -> "BlockProfile":
         """The profile of a batch `factor` times larger: every saved activation, FLOP and element of a ViT
@@ -52,7 +56,7 @@ class BlockProfile:
                             round(self.flops_selective * factor), round(self.cheap_elems * factor),
                             round(self.bytes_grad * factor), self.params, round(self.bytes_light * factor),
                             round(self.light_elems * factor), round(self.selective_elems * factor), self.ops,
-                            round(self.moved * factor))
+                            round(self.moved * factor), self.rerun_linears)
 
 
 # ops that move no data: a view, or metadata only
@@ -68,6 +72,7 @@ class _OpRecorder(compat.dispatch_mode_class()):
         self.block, self.compute_outputs, self.cheap_ops, self.packs, self.ops = None, {}, {}, {}, 0
         self.moved = 0  # bytes the memory-bound ops (all but the compute ops and views) read and write
         self.ops_in, self.moved_in = {}, {}  # the same two, per block
+        self.linear_ops = {}  # block -> the storages of its mm/addmm outputs, in forward order
         # Outputs are matched to saved tensors by storage; holding them for the profile's forward keeps a freed
         # output's storage from being reused by a later saved tensor, which would mark an unsaved output as saved.
         self.alive = []
@@ -87,6 +92,8 @@ class _OpRecorder(compat.dispatch_mode_class()):
             outs = out if isinstance(out, (tuple, list)) else (out,)
             tensors = [t for t in outs if isinstance(t, torch.Tensor)]
             packs = self.packs.get(self.block, 0)  # tensors the block saved before this op ran
+            if func in LINEAR_OPS:
+                self.linear_ops.setdefault(self.block, []).append(compat.storage_id(tensors[0]))
             if func in COMPUTE_OPS:
                 storage = tensors[0].untyped_storage()
                 flops = compat.flop_count(func, args, kwargs or {}, out)
@@ -136,6 +143,7 @@ def profile_blocks(model, images: torch.Tensor) -> Profile:
     # block -> {storage of a residual sum `selective` rebuilds: (its elements, the FLOPs of the linear it reruns)}
     residuals = {b.name: {} for b in blocks}
     recipes = {b.name: Recorder(residual=True) for b in blocks}  # what `selective`'s own recorder would match
+    linear_outputs = {b.name: {} for b in blocks}  # block -> {linear layer: the storage of its output}
     handles = []
     recorder = _OpRecorder()
     for b in blocks:
@@ -155,6 +163,11 @@ def profile_blocks(model, images: torch.Tensor) -> Profile:
         handles += [m.register_forward_hook(cheap) for m in cheap_modules(b.module)]
         handles += [m.register_forward_hook(recipes[b.name].record) for m in cheap_modules(b.module)]
         handles += [m.register_forward_hook(recipes[b.name].record_linear) for m in recomputable_linears(b.module)]
+
+        def linear(module, args, output, name=b.name):  # held: a freed output's storage may name a later one
+            recorder.alive.append(output)
+            linear_outputs[name][module] = compat.storage_id(output)
+        handles += [m.register_forward_hook(linear) for m in recomputable_linears(b.module)]
 
     def pack(t):
         if recorder.block is not None:  # weights count as saved tensors for the early stop, not as bytes
@@ -209,8 +222,17 @@ def profile_blocks(model, images: torch.Tensor) -> Profile:
                                 max((nbytes for nbytes, *_ in outputs), default=0) + inputs[b.name],
                                 sum(compat.param_numel(p) for p in b.module.parameters()), bytes_light,
                                 sum(light.values()), sum(light.values()) + sum(n for n, _ in sums.values()),
-                                recorder.ops_in.get(b.name, 0), recorder.moved_in.get(b.name, 0)))
+                                recorder.ops_in.get(b.name, 0), recorder.moved_in.get(b.name, 0),
+                                _positions(recorder.linear_ops.get(b.name, []),
+                                           {linear_outputs[b.name][m] for m in recipes[b.name].used})))
     return out
+
+
+def _positions(storages: list, rerun: set) -> tuple:
+    """The positions in `storages` (a block's mm/addmm outputs in order) of the rerun linears' outputs; none when
+    one of those outputs came from no mm/addmm (the operator policy could not name it)."""
+    found = tuple(i for i, s in enumerate(storages) if s in rerun)
+    return found if len(found) == len(rerun) else ()
 
 
 def _signature(block: torch.nn.Module) -> str:

@@ -338,7 +338,7 @@ def main(argv=None):
         if plan is not None:
             result["ac_plan"] = {k: plan.get(k) for k in ("activation_bytes_planned", "activation_bytes_none",
                                                          "activation_peak_planned", "recompute_flops_fraction",
-                                                         "fixed_bytes_estimate", "peak_bytes_planned")}
+                                                         "fixed_bytes_estimate", "peak_bytes_planned", "traced")}
             result["ac_plan"]["blocks"] = [b["policy"] for b in plan["blocks"]]
         with open(args.out, "w") as f:
             json.dump(result, f)

@@ -320,11 +320,19 @@ def equal_policy(doc: str, bullet: bool = False) -> str:
     z3 = [e for e in table if e["ours"]["zero_stage"] == 3]
     z2 = [e for e in table if e["ours"]["zero_stage"] == 2]
     slower = [f"{short(e['shape'])} + {e['policy']}" for e in z3 if e["speed"].high < 1]
+    rest = [f"{short(e['shape'])} + {e['policy']}" for e in z3 if e["speed"].high >= 1]
+    if not slower:
+        verdict = "none decidedly slower"
+    elif len(slower) > len(rest):  # the shorter list reads
+        verdict = (f"decidedly slower at {len(slower)} of {len(z3)}, all but {', '.join(rest)}" if rest else
+                   f"decidedly slower at all {len(z3)}")
+    else:
+        verdict = f"decidedly slower only at {', '.join(slower)}"
     where = f"[ViT-S, Swin-T]({link(folder, doc)}), {env_date(folder)}{stale_note(folder)}"
     return ((f"- **Compute-bound, at equal policy** ({where}): " if bullet else
              f"On 2 CPU ranks in fp32, compute-bound ({where}; the benchmark worker's FSDP2): ")
             + f"ZeRO-3 {span([e['speed'].ratio for e in z3])}× FSDP2's images/s ("
-            + (f"decidedly slower only at {', '.join(slower)}" if slower else "none decidedly slower")
+            + verdict
             + f") at {span([e['memory'].ratio for e in z3])}× its peak; ZeRO-2 {span([e['speed'].ratio for e in z2])}× "
             f"FSDP2 without resharding.")
 

@@ -118,6 +118,13 @@ SUITES = {
         runs={"*": same_policy(["none", "light", "selective"])},
         repeats=5, profiled_steps=2, warmup_steps=5, timed_steps=30, timeout_s=300, targets_shape="vit-narrow",
         host=True),
+    # the compiled blocks' host cost at `none`, `light` and `selective`, under both engines: light and selective
+    # applied when torch.compile traces each block (ac/policies.py's traced_policy)
+    "host-compiled": Suite(
+        shapes=[Shape("vit-narrow", 32, 4, 2, "ViT 24 blocks x width 64, 32x32 (65 tokens), batch 2 per rank")],
+        runs={"*": same_policy(["none", "light", "selective"], compile=True)},
+        repeats=5, profiled_steps=2, warmup_steps=5, timed_steps=30, timeout_s=300, targets_shape="vit-narrow",
+        host=True),
     # the micro-batch race on the host shape, where images/s rises with the micro-batch as on GPUs: 64 images
     # per step, each configuration at micro-batches 4 to 32 (accumulating 8 to 1), one screening repeat, then
     # five confirmation repeats of each side's fastest per budget (benchmarks/race.py)

@@ -142,7 +142,8 @@ def apply_ac(model, cfg, fixed, precision, device_type, log) -> dict:
     the run's precision, with the attention kernel of this device, so that no weight is gathered or allocated
     for it (ac/profile.py)."""
     measured = profile_model(cfg, device_type, DTYPES[precision])[0]
-    return apply_activation_checkpointing(model, cfg.ac, device_type, fixed=fixed, log=log, profile=measured)
+    return apply_activation_checkpointing(model, cfg.ac, device_type, fixed=fixed, log=log, profile=measured,
+                                          compiled=cfg.compile)
 
 
 def apply_zero(model, cfg, ds_config, ac_plan):

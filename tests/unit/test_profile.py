@@ -89,6 +89,40 @@ def test_selective_keeps_the_hook_of_the_linear_it_reruns_alone():
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), selective.parameters()))
 
 
+def test_compiled_light_and_selective_are_an_operator_policy_the_partitioner_applies():
+    """Under torch.compile `light` and `selective` are decided when each block is traced (ac/policies.py's
+    traced_policy), not by the recipes' hooks: the compiled forward keeps less than compiled `none`'s, `selective`
+    less than `light` by the out-projection's output (the linear the profile names reruns), measured by the
+    profiler's memory events, and the gradients equal eager `none`'s to fp32 rounding. The partitioner is
+    inductor's (min-cut, inductor's decompositions) without its code generation (`aot_eager_decomp_partition`),
+    which keeps the test in seconds; tests/integration/test_checkpointing.py compiles with inductor."""
+    torch.manual_seed(0)
+    model, _ = build_model("vit-debug", 10, 16)
+    images = torch.randn(4, 3, 16, 16)
+    profile = profile_blocks(model, images)
+    assert all(p.rerun_linears == (3,) for p in profile)  # query, key, value, then the out-projection
+    reference = copy.deepcopy(model)
+    reference(images).logits.square().sum().backward()
+    measured = {}
+    for ac in ("none", "light", "selective"):
+        torch._dynamo.reset()
+        m = copy.deepcopy(model)
+        plan = apply_activation_checkpointing(m, ac, "cpu", profile=profile, compiled=True, log=lambda *a: None)
+        assert plan.get("traced", False) == (ac != "none")
+        for b in find_blocks(m):
+            b.module.compile(backend="aot_eager_decomp_partition")
+        m(images).logits.square().sum().backward()  # compiles
+        m.zero_grad()
+        measured[ac] = measure_activation_bytes(m, images)
+        m(images).logits.square().sum().backward()
+        for (name, a), b in zip(reference.named_parameters(), m.parameters()):
+            assert b.grad is not None and torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7), (ac, name)
+    torch._dynamo.reset()
+    tokens, hidden, blocks = 4 * ((16 // model.config.patch_size) ** 2 + 1), model.config.hidden_size, len(profile)
+    assert measured["none"] > measured["light"] > measured["selective"] > 0, measured
+    assert measured["light"] - measured["selective"] == blocks * tokens * hidden * 4, measured  # fp32
+
+
 def test_swin_selective_keeps_what_light_keeps():
     """A Swin block's residual sums pass its window reversal (and, shifted, a roll) on their way from the
     out-projection: no residual sum is a linear's output plus a kept tensor, so `selective` rebuilds what `light`
@@ -98,7 +132,7 @@ def test_swin_selective_keeps_what_light_keeps():
     images = torch.randn(2, 3, 16, 16)
     profile = profile_blocks(model, images)
     assert all(p.bytes_selective == p.bytes_light < p.bytes_none and p.flops_selective == 0 and
-               p.selective_elems == p.light_elems for p in profile)
+               p.selective_elems == p.light_elems and p.rerun_linears == () for p in profile)
     measured = {}
     for ac in ("light", "selective"):
         m = copy.deepcopy(model)
