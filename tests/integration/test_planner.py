@@ -80,7 +80,7 @@ def test_validate_predicts_the_cpu_suite_within_its_targets():
     the backward, the prediction is the very peak the run planned with on the real model. The step times, from
     the calibration the suite measured for each shape (environment.json), are closer than the assumed ones and
     short of the measured ones (the ranks' lockstep at blocking reductions is not modelled: docs/planner.md):
-    within the ±25% target on ViT-S; on Swin-T's ZeRO-3 rows the 2026-12-07 run misses it (−30%, −32%), so
+    within the ±25% target on ViT-S; Swin-T's ZeRO-3 rows miss it in the committed run (its planner.md), so
     there they are held within ±35%."""
     import csv
 
