@@ -12,10 +12,11 @@
      activations are what the last profiled forward left allocated for its backward, less the whole weights
      among it (ZeRO-3's gathered parameters, FSDP2's unsharded ones: the engine's, counted beside them). On
      GPUs, torch.cuda's allocator counters;
-  2. stops the profiler and, with `count_flops`, runs one step under torch's FLOP counter (the FLOPs the
-     hardware executes, recompute included; not under the profiler, whose memory it would change);
-  3. runs `warmup_steps` untimed steps, then times `timed_steps` further steps, each ended by an all-reduce
-     of the loss and read on engine.timing's clock (on GPUs, after the device has finished the step).
+  2. stops the profiler, runs `warmup_steps` untimed steps, then times `timed_steps` further steps, each ended
+     by an all-reduce of the loss and read on engine.timing's clock (on GPUs, after the device has finished
+     the step);
+  3. with `count_flops`, runs one last step under torch's FLOP counter (the FLOPs the hardware executes,
+     recompute included), after the timed ones (`step_schedule`).
 Every engine sees the same initial weights and the same batches (random images drawn from the seed, the
 rank and the step), so the losses agree across engines up to fp32 summation order.
 """
@@ -62,7 +63,7 @@ class Spec:
     # first steps, and fresh pages are slow (train_bench.CPU_ALLOCATOR_ENV)
     warmup_steps: int = 0
     timed_steps: int = 3
-    count_flops: bool = True  # one extra, untimed step under torch's FLOP counter (recompute included)
+    count_flops: bool = True  # one extra, untimed last step under torch's FLOP counter (recompute included)
     seed: int = 0
     num_labels: int = 10
     ds_config: str = ""  # deepspeed: a DeepSpeed JSON template (run config key ds_config); "" = ds_configs/zero{zero}.json
@@ -208,6 +209,20 @@ def memory_phases(profiler, name: str) -> dict:
     return phases
 
 
+def step_schedule(spec: Spec) -> tuple[range, int]:
+    """A job's timed steps (numbered from 1) and its FLOP-counted step (0: none).
+
+    The profiled steps come first, then the warm-up ones, then the timed ones. The FLOP-counted step is the last
+    of all: its dispatch mode changes what stays allocated (so not under the memory profiler), and torch.compile
+    skips a frame it is asked to compile while a dispatch mode is active and then keeps skipping its code outside
+    the mode (pytorch/pytorch#190286, in torch 2.11 and 2.13): a compiled checkpointed block reached under the
+    counter runs eagerly for the rest of the job, 1.4-1.6x the compiled step on the `host-compiled` shape.
+    """
+    first = spec.profiled_steps + spec.warmup_steps + 1
+    timed = range(first, first + spec.timed_steps)
+    return timed, timed.stop if spec.count_flops else 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--spec", required=True, help="JSON object with the fields of Spec")
@@ -258,11 +273,8 @@ def main(argv=None):
         step_fn = DeepSpeedStep(model, cfg, world_size) if spec.engine == "deepspeed" \
             else FSDP2Step(model, cfg, spec)
     losses, times, hardware_flops = [], [], 0
-    # steps: the profiled ones, then one under the FLOP counter (its dispatch mode changes what stays
-    # allocated, so it must not run under the memory profiler), the warm-up ones, then the timed ones
-    flop_step = spec.profiled_steps + 1 if spec.count_flops else 0
-    first_timed = spec.profiled_steps + bool(flop_step) + spec.warmup_steps
-    for step in range(1, first_timed + spec.timed_steps + 1):
+    timed_steps, flop_step = step_schedule(spec)
+    for step in range(1, max(timed_steps.stop, flop_step + 1)):
         images, labels = (t.to(device).chunk(spec.grad_accum_steps) for t in batch(spec, rank, step))
         if step == 1 and cuda:
             setup_peak = torch.cuda.max_memory_allocated()
@@ -315,7 +327,7 @@ def main(argv=None):
     gathered = [torch.zeros_like(figures) for _ in range(world_size)]
     dist.all_gather(gathered, figures)
     if rank == 0:
-        timed = times[first_timed:]
+        timed = times[timed_steps.start - 1:timed_steps.stop - 1]
         global_batch = spec.micro_batch_size * spec.grad_accum_steps * world_size // spec.tp_size
         # one figure, every rank (None: not measured)
         column = lambda i: [int(g[i]) if math.isfinite(g[i]) else None for g in gathered]  # noqa: E731

@@ -212,8 +212,8 @@ def extensions() -> set:
 def suite(check: Check, name: str, micro_batch_size: int = 0, traces: bool = False, host_probe: bool = True) -> dict:
     out = os.path.join(check.work, name)
     env = {}
-    if traces:  # each job's warm-up step (after 2 profiled steps and the FLOP-counted one) traced
-        env = {"BENCH_TRACE_DIR": os.path.join(check.work, "traces"), "BENCH_TRACE_STEP": "4"}
+    if traces:  # each job's warm-up step (after its 2 profiled steps) traced
+        env = {"BENCH_TRACE_DIR": os.path.join(check.work, "traces"), "BENCH_TRACE_STEP": "3"}
         os.makedirs(env["BENCH_TRACE_DIR"], exist_ok=True)
     rc = check.run([sys.executable, "-m", "benchmarks.train_bench", "--suite", "gpu-check-smoke" if SMOKE else "gpu-check",
                     "--out", out] + (["--micro_batch_size", micro_batch_size] if micro_batch_size else [])

@@ -152,7 +152,7 @@ def summarise(results: list, shapes: list, suite: Suite, flops: dict, peak_gflop
             per_step = micro * accum * suite.ranks  # images
             model_per_step = flops[shape.label] * per_step
             med = statistics.median(speeds)
-            # the loss of the same step in every job (the first repeat's jobs run one extra, FLOP-counted step)
+            # the loss of the same step in every job (the first repeat's also run a FLOP-counted step, last)
             loss = statistics.median(r["losses"][suite.profiled_steps + suite.timed_steps - 1] for r in jobs)
             if reference_loss is None:
                 reference_loss = loss
