@@ -17,7 +17,8 @@ Parts (the default, the check's second version: 1, 7, 8 and 9; the first version
               once on a failure); plain ZeRO-3's peak at the winner's micro-batch. A second call: PARTS="1 10"
   2 vit-l     ViT-L/16 at 224^2, micro-batch 32: FSDP2, ZeRO-2 and ZeRO-3 at none, selective and full
               (train_bench.py's gpu-check suite: images/s, MFU, torch.cuda peaks against plan.py's)
-  3 digits    train.py's main job (configs/digits-vit.yaml) in bf16 on one rank, with its evaluation
+  3 digits    train.py's main job (configs/digits-vit.yaml) in bf16 on one rank, with its evaluation, under
+              DeepSpeed (the recipe's engine) and under FSDP2 (`--engine fsdp2`)
   4 policies  every activation-checkpointing policy's losses against none's under ZeRO-3, in bf16
   5 planned   part 2 at the micro-batch plan.py picks for one H200
   6 compile   part 3's job under torch.compile, and under DeepSpeed's compiler (deepcompile) with ZeRO-3
@@ -64,7 +65,7 @@ class Part:
 # a first call's budget, 5-6 a second's)
 PARTS = [Part(1, "machine", (25, 15), (90, 60), "versions, device, GEMM rate"),
          Part(2, "vit-l", (330, 90), (420, 200), "ViT-L/16, micro-batch 32, 3 engines x 3 policies"),
-         Part(3, "digits", (60, 60), (150, 150), "train.py's main job, bf16, with evaluation"),
+         Part(3, "digits", (120, 100), (240, 200), "train.py's main job, bf16, with evaluation, DeepSpeed and FSDP2"),
          Part(4, "policies", (60, 30), (150, 120), "every ac policy against none, ZeRO-3, bf16"),
          Part(5, "planned", (420, 90), (480, 200), "ViT-L/16 at plan.py's micro-batch"),
          Part(6, "compile", (150, 60), (240, 150), "torch.compile and deepcompile"),
@@ -258,7 +259,16 @@ def train_job(check: Check, name: str, *extra) -> dict:
 
 
 def digits(check: Check) -> dict:
-    return train_job(check, "digits")
+    """The main job under each engine; an engine's failure is its entry, the other still runs."""
+    jobs = {}
+    for engine in ("deepspeed", "fsdp2"):
+        try:
+            jobs[engine] = train_job(check, f"digits-{engine}", "--engine", engine)
+        except RuntimeError as e:
+            jobs[engine] = {"error": str(e)}
+    if all("error" in job for job in jobs.values()):
+        raise RuntimeError("; ".join(f"{k}: {v['error']}" for k, v in jobs.items()))
+    return jobs
 
 
 def policies(check: Check) -> dict:
@@ -710,7 +720,9 @@ def headline(name: str, figures: dict) -> str:
                 (f"; fastest {best['config']} {number(best, 'images_per_sec'):.0f} img/s, MFU {number(best, 'mfu'):.1%}"
                  if best else "") + (f" (micro-batch {figures['micro_batch_size']})" if name == "planned" else ""))
     if name == "digits":
-        return f"val top-1 {figures['val_top1']:.2%}, {figures['images_per_sec']:.0f} img/s, {figures['seconds']} s"
+        return "; ".join(f"{engine}: " + (f"val top-1 {job['val_top1']:.2%}, {job['images_per_sec']:.0f} img/s, "
+                                          f"{job['seconds']} s" if "error" not in job else job["error"])
+                         for engine, job in figures.items())
     if name == "policies":
         worst = max(figures["policies"].items(), key=lambda kv: kv[1]["max_abs_loss_diff"])
         exact = sum(r["bitwise_equal"] for r in figures["policies"].values())

@@ -10,15 +10,17 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 
 gpu_check = importlib.import_module("benchmarks.gpu_check")
 
 
-def run_check(tmp_path, **env):
+def run_check(tmp_path, timeout=120, **env):
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", str(out)], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, env=dict(os.environ, SMOKE="1", PYTHONWARNINGS="ignore", **env))
+                          text=True, timeout=timeout, env=dict(os.environ, SMOKE="1", PYTHONWARNINGS="ignore", **env))
     return proc, out
 
 
@@ -43,6 +45,20 @@ def test_the_machine_part_measures_versions_and_a_gemm(tmp_path):
     assert figures["versions"]["torch"] and figures["gemm"]["tflops_median"] > 0
     assert figures["gemm"]["tflops_min"] <= figures["gemm"]["tflops_median"] <= figures["gemm"]["tflops_max"]
     assert "| 1 | machine | ok |" in proc.stdout
+
+
+@pytest.mark.slow
+def test_the_main_job_part_trains_under_both_engines(tmp_path):
+    """Part 3: configs/digits-vit.yaml through train.py under DeepSpeed and under FSDP2, each evaluated (~1.5 min;
+    make device-rehearsal runs it too)."""
+    proc, out = run_check(tmp_path, timeout=400, PARTS="3")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    part = json.loads((out / "results.json").read_text())["parts"]["digits"]
+    assert part["status"] == "ok", part
+    assert set(part["figures"]) == {"deepspeed", "fsdp2"}
+    for engine, job in part["figures"].items():
+        assert job["steps"] == 40 and 0.1 < job["val_top1"] <= 1 and job["images_per_sec"] > 0, (engine, job)
+    assert "deepspeed: val top-1" in part["headline"] and "fsdp2: val top-1" in part["headline"]
 
 
 def _row(config, images_per_sec, step_ms, mfu):
