@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 
 gpu_check = importlib.import_module("benchmarks.gpu_check")
@@ -52,8 +54,12 @@ def test_the_main_job_part_trains_under_both_engines(tmp_path):
     part = json.loads((out / "results.json").read_text())["parts"]["digits"]
     assert part["status"] == "ok", part
     assert set(part["figures"]) == {"deepspeed", "fsdp2"}
-    for engine, job in part["figures"].items():
-        assert job["steps"] == 40 and 0.1 < job["val_top1"] <= 1 and job["images_per_sec"] > 0, (engine, job)
+    jobs = part["figures"]
+    for engine, job in jobs.items():
+        assert job["steps"] == 40 and 0 <= job["val_top1"] <= 1 and job["images_per_sec"] > 0, (engine, job)
+    # the same 40 steps from the same seed in fp32 on either engine: the same model, up to reduction order
+    assert jobs["fsdp2"]["loss"] == pytest.approx(jobs["deepspeed"]["loss"], rel=1e-4)
+    assert abs(jobs["fsdp2"]["val_top1"] - jobs["deepspeed"]["val_top1"]) <= 0.02
     assert "deepspeed: val top-1" in part["headline"] and "fsdp2: val top-1" in part["headline"]
 
 
