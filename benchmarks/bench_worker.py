@@ -209,18 +209,19 @@ def memory_phases(profiler, name: str) -> dict:
     return phases
 
 
-def step_schedule(spec: Spec) -> tuple[range, int]:
-    """A job's timed steps (numbered from 1) and its FLOP-counted step (0: none).
+def step_schedule(spec: Spec) -> tuple[range, range, int]:
+    """A job's steps, its timed steps (numbered from 1) and its FLOP-counted step (0: none).
 
     The profiled steps come first, then the warm-up ones, then the timed ones. The FLOP-counted step is the last
     of all: its dispatch mode changes what stays allocated (so not under the memory profiler), and torch.compile
     skips a frame it is asked to compile while a dispatch mode is active and then keeps skipping its code outside
     the mode (pytorch/pytorch#190286, in torch 2.11 and 2.13): a compiled checkpointed block reached under the
-    counter runs eagerly for the rest of the job, 1.4-1.6x the compiled step on the `host-compiled` shape.
+    counter runs eagerly for the rest of the job.
     """
     first = spec.profiled_steps + spec.warmup_steps + 1
     timed = range(first, first + spec.timed_steps)
-    return timed, timed.stop if spec.count_flops else 0
+    flop_step = timed.stop if spec.count_flops else 0
+    return range(1, max(timed.stop, flop_step + 1)), timed, flop_step
 
 
 def main(argv=None):
@@ -273,8 +274,8 @@ def main(argv=None):
         step_fn = DeepSpeedStep(model, cfg, world_size) if spec.engine == "deepspeed" \
             else FSDP2Step(model, cfg, spec)
     losses, times, hardware_flops = [], [], 0
-    timed_steps, flop_step = step_schedule(spec)
-    for step in range(1, max(timed_steps.stop, flop_step + 1)):
+    steps, timed_steps, flop_step = step_schedule(spec)
+    for step in steps:
         images, labels = (t.to(device).chunk(spec.grad_accum_steps) for t in batch(spec, rank, step))
         if step == 1 and cuda:
             setup_peak = torch.cuda.max_memory_allocated()
