@@ -33,7 +33,7 @@ device-rehearsal: $(VENV)/.installed data
 $(VENV)/.installed: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements.txt
-	$(PY) -m engine.compat build_cpu_ops
+	$(PY) -m compat build_cpu_ops
 	touch $@
 
 data/digits/_info.json: $(VENV)/.installed data/make_shards.py

@@ -45,8 +45,8 @@ class Config:
     mixup: float = 0.0  # Mixup alpha; 0 = off (DeiT: 0.8)
     cutmix: float = 0.0  # CutMix alpha; 0 = off (DeiT: 1.0); with both set, each batch uses one at random
     # parallelism and precision
-    engine: str = "deepspeed"  # deepspeed (ZeRO, ds_config) | fsdp2 (PyTorch's fully_shard per block; engine/fsdp2.py)
-    zero_stage: int = 2  # DeepSpeed ZeRO stage: 1 (optimizer states), 2 (+gradients), 3 (+parameters); fsdp2: 3 reshards each block's weights after its forward, 1 and 2 keep them to the backward
+    engine: str = "deepspeed"  # deepspeed (ZeRO, ds_config) | fsdp2 (PyTorch's fully_shard per block) | ddp (DistributedDataParallel: replicated weights and optimizer states) (engine/registry.py)
+    zero_stage: int = 2  # DeepSpeed ZeRO stage: 1 (optimizer states), 2 (+gradients), 3 (+parameters); fsdp2: 3 reshards each block's weights after its forward, 1 and 2 keep them to the backward; ddp: unused
     replicate_degree: int = 1  # fsdp2: HSDP, the ranks form this many replicas of the model, each sharded over world size / replicate_degree ranks (set it to the number of nodes: shard within a node, replicate across; ZeRO++'s hierarchical partitioning's analogue); 1 = one shard group of every rank
     tp_size: int = 1  # tensor parallelism: ranks of a node that split each block's matrices (DeepSpeed AutoTP); data parallelism and ZeRO run over world size / tp_size
     ds_config: str = ""  # DeepSpeed JSON template; "" = ds_configs/zero{zero_stage}.json. Its "auto" fields come from this config
@@ -85,7 +85,7 @@ class Config:
     preempt_grace: float = 25.0  # seconds from SIGTERM/SIGUSR1 to exit: the step finishes and a checkpoint is written (launchers kill at 30)
     resume: str = ""  # "" = fresh run, "latest" = newest checkpoint in output_dir, or a checkpoint directory
     progress: bool = True  # tqdm progress bar on rank 0
-    # experiment tracking (engine/tracking.py; docs/tracking.md)
+    # experiment tracking (runlog/tracking.py; docs/tracking.md)
     report_to: str = "tensorboard"  # where the metrics go beside metrics.jsonl, comma-separated (a list in YAML): tensorboard, mlflow, wandb; none = metrics.jsonl only
     tracking_uri: str = ""  # mlflow: the tracking server (http://host:port) or store; "" = $MLFLOW_TRACKING_URI, else MLflow's default
     project: str = ""  # mlflow's experiment, wandb's project; "" = $MLFLOW_EXPERIMENT_NAME / $WANDB_PROJECT, else vit-training
@@ -94,9 +94,9 @@ class Config:
     log_model: bool = False  # also send hf_model/ to the trackers at the end (an artifact of the run)
 
 
-TRACKERS = ("tensorboard", "mlflow", "wandb")  # report_to's names (engine/tracking.py)
+TRACKERS = ("tensorboard", "mlflow", "wandb")  # report_to's names (runlog/tracking.py)
 KEYS = {f.name: f for f in dataclasses.fields(Config)}
-CHOICES = {"engine": ("deepspeed", "fsdp2"), "task": ("classification", "mae", "simmim", "segmentation"), "optimizer": ("adamw", "muon"), "zero_stage": (1, 2, 3), "precision": ("fp32", "bf16", "fp16", "auto"), "data_mode": ("epoch", "resampled", "synthetic")}
+CHOICES = {"task": ("classification", "mae", "simmim", "segmentation"), "optimizer": ("adamw", "muon"), "zero_stage": (1, 2, 3), "precision": ("fp32", "bf16", "fp16", "auto"), "data_mode": ("epoch", "resampled", "synthetic")}
 
 
 def _coerce(key: str, value, from_cli: bool):
@@ -263,8 +263,8 @@ def _accelerate_fsdp(env, take):
 
 
 def _check(cfg: Config):
-    positive = ("num_labels", "image_size", "tp_size", "micro_batch_size", "grad_accum_steps", "max_steps",
-                "max_bad_steps", "log_every")
+    positive = ("num_labels", "image_size", "tp_size", "replicate_degree", "micro_batch_size", "grad_accum_steps",
+                "max_steps", "max_bad_steps", "log_every")
     for key in positive:
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"config key '{key}' must be positive, got {getattr(cfg, key)}")
@@ -300,14 +300,6 @@ def _check(cfg: Config):
                           "weights, and tensor-parallel shards are not such parts; use ema_decay 0 or tp_size 1")
     if cfg.export_ema and not cfg.ema_decay:
         raise ConfigError("export_ema needs an EMA of the weights: set ema_decay (e.g. 0.9999)")
-    if cfg.engine == "fsdp2":
-        _check_fsdp2(cfg)
-    elif cfg.async_save:
-        raise ConfigError("async_save is the FSDP2 engine's (DCP's async_save); DeepSpeed's engine writes its "
-                          "checkpoints in the foreground here: use engine fsdp2 or async_save false")
-    if cfg.engine != "fsdp2" and cfg.replicate_degree != 1:
-        raise ConfigError(f"replicate_degree {cfg.replicate_degree} is FSDP2's HSDP (engine fsdp2); DeepSpeed's "
-                          f"analogue is ZeRO++'s hierarchical partitioning (zero_hpz_partition_size in a ds_config)")
     if cfg.device_memory_gb < 0:
         raise ConfigError(f"config key 'device_memory_gb' must be >= 0 (0 = the whole device), got {cfg.device_memory_gb}")
     if cfg.lr <= 0:
@@ -326,22 +318,6 @@ def _check_report_to(value: str):
                           f"several comma-separated)")
     if not names or ("none" in names and len(names) > 1):
         raise ConfigError(f"report_to {value!r}: name trackers (comma-separated) or only none")
-
-
-def _check_fsdp2(cfg: Config):
-    """What the FSDP2 engine does not do (yet): one line each, before anything runs."""
-    unsupported = {
-        "tp_size": (cfg.tp_size > 1, "tensor parallelism is DeepSpeed's AutoTP here; use engine deepspeed or tp_size 1"),
-        "optimizer": (cfg.optimizer == "muon", "Muon is DeepSpeed's here; use engine deepspeed or optimizer adamw"),
-        "ds_config": (bool(cfg.ds_config), "a DeepSpeed JSON (ZeRO++, offload, DeepCompile) configures DeepSpeed "
-                                           "only; use engine deepspeed or leave ds_config empty"),
-        "replicate_degree": (cfg.replicate_degree < 1, "it must be at least 1 (1 = no replicas)"),
-        "precision": (cfg.precision == "fp16", "fp16 needs a loss scaler, which this FSDP2 engine does not run; "
-                                               "use bf16 or engine deepspeed"),
-    }
-    for key, (bad, why) in unsupported.items():
-        if bad:
-            raise ConfigError(f"engine fsdp2 with {key} {getattr(cfg, key)}: {why}")
 
 
 def to_dict(cfg: Config) -> dict:

@@ -89,12 +89,11 @@ def gib(n: float) -> str:
 
 
 def sharding(e: dict) -> str:
-    """A configuration's engine and sharding in words: ZeRO-3, ZeRO-3++ (ZeRO++), ZeRO-3 off (offload), FSDP2 with or
-    without resharding after the forward."""
-    if e.get("engine") == "fsdp2":
-        hsdp = f" HSDP{r}" if (r := e.get("replicate_degree", 1)) > 1 else ""
-        return f"FSDP2{hsdp} {'reshard' if e['zero_stage'] == 3 else 'keep'}"
-    return f"ZeRO-{e['zero_stage']}{variant(e)}"
+    """A configuration's engine and sharding in words, the engine's own: ZeRO-3, ZeRO-3++ (ZeRO++), ZeRO-3 off
+    (offload), FSDP2 with or without resharding after the forward, DDP."""
+    from engine.registry import engine_class
+
+    return engine_class(e["engine"]).plan_label(e)
 
 
 def describe(e: dict) -> str:
@@ -143,11 +142,6 @@ def describe(e: dict) -> str:
     return "\n".join(lines)
 
 
-def variant(e: dict) -> str:
-    """ZeRO-3's variants as the tables mark them: ++ (ZeRO++), off (ZeRO-Offload)."""
-    return "++" if e["zeropp"] else (" off" if e["offload"]["optimizer"] else "")
-
-
 def tp_candidates(text: str):
     """--tp_sizes as a list of sizes (None: the search's default)."""
     if not text:
@@ -172,7 +166,7 @@ def by_tp_size(found: list) -> str:
     plain = best.get(1)
     for tp, e in sorted(best.items()):
         against = f", {e['images_per_s'] / plain['images_per_s']:.2f}x tp 1's" if plain and tp > 1 else ""
-        lines.append(f"  tp {tp}: ZeRO-{e['zero_stage']}{variant(e)}, micro-batch {e['micro_batch_size']} x "
+        lines.append(f"  tp {tp}: {sharding(e)}, micro-batch {e['micro_batch_size']} x "
                      f"{e['grad_accum_steps']}, ac {e['ac']}: {e['step_s']:.3f} s a step, {e['images_per_s']:.0f} "
                      f"images/s, peak {gib(e['peak_bytes'])} GiB{against}")
     return "\n".join(lines)
@@ -182,7 +176,7 @@ def by_engine(found: list) -> str:
     """The fastest configuration of each engine searched, and where their step times differ most."""
     best = {}
     for e in found:  # fastest first
-        best.setdefault(e.get("engine", "deepspeed"), e)
+        best.setdefault(e["engine"], e)
     if len(best) < 2:
         return ""
     lines = ["", "", "the fastest of each engine:"]
@@ -258,8 +252,10 @@ def write_plan(best: dict, cfg, ds_config: dict, out: str, a):
         planned = {"model", "num_labels", "image_size", "precision", "engine", "zero_stage", "replicate_degree", "tp_size",
                    "micro_batch_size", "grad_accum_steps", "ac"}  # written even where they equal today's defaults
         yaml.safe_dump({k: v for k, v in to_dict(cfg).items() if v != defaults[k] or k in planned}, f, sort_keys=False)
-    fsdp2 = cfg.engine == "fsdp2"
-    with open(os.path.join(out, "fsdp2_config.json" if fsdp2 else "ds_config.json"), "w") as f:
+    from engine.registry import engine_class
+
+    engine = engine_class(cfg.engine)
+    with open(os.path.join(out, engine.config_file), "w") as f:
         json.dump(ds_config, f, indent=2)
     with open(os.path.join(out, "plan.json"), "w") as f:
         json.dump(best, f, indent=1)
@@ -268,7 +264,7 @@ def write_plan(best: dict, cfg, ds_config: dict, out: str, a):
         f.write("#!/bin/bash\n# one line per node (NODE_RANK 0..{n}); MASTER_ADDR: node 0's address\n".format(n=nodes - 1)
                 + f"torchrun --nnodes {nodes} --nproc_per_node {a.ranks_per_node} --node_rank $NODE_RANK "
                   f"--master_addr $MASTER_ADDR --master_port 29500 train.py --config {out}/config.yaml"
-                  + ("\n" if fsdp2 else f" --ds_config {out}/ds_config.json\n"))
+                  + (f" --ds_config {out}/{engine.config_file}\n" if engine.capabilities.ds_config else "\n"))
 
 
 def run_calibration(cfg, precision: str, out: str, host: bool = True, host_stages=(1, 2, 3),
@@ -279,7 +275,7 @@ def run_calibration(cfg, precision: str, out: str, host: bool = True, host_stage
     import torch
     import torch.distributed as dist
 
-    from engine.distributed import exit_distributed, free_port, init_distributed
+    from loop.distributed import exit_distributed, free_port, init_distributed
     from planner.calibration import calibrate, slowest
 
     if precision != "fp32" and not torch.cuda.is_available():
@@ -350,13 +346,12 @@ def main(argv=None):
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     a, rest = cluster_args(argv)
     try:
-        from engine.ds_config import build_ds_config
-        from engine.fsdp2 import fsdp2_config
+        from engine.registry import check_engine, engine_class
         from planner.calibration import calibrated
         from planner.devices import DEFAULT_MBU, DEFAULT_MFU, DEVICES
         from planner.estimate import estimate
         from planner.search import search, smallest_cluster
-        from engine.tensor_parallel import check_tp
+        from parallel.tensor import check_tp
         from models.registry import model_config, width
 
         if a.list_devices:
@@ -366,6 +361,7 @@ def main(argv=None):
                       f"the host, {d.host_memory_gib:g} GiB of host memory per node")
             return 0
         cfg = parse(rest)
+        check_engine(cfg)
         if cfg.tp_size > 1 and (a.calibrate or a.calibration):
             raise ConfigError("a calibration measures the model unsplit: calibrate and plan with it at tp_size 1")
         precision = cfg.precision if cfg.precision != "auto" else ("bf16" if a.device != "cpu" else "fp32")
@@ -382,9 +378,8 @@ def main(argv=None):
             raise ConfigError("world_size and ranks_per_node must be at least 1")
         hidden = width(model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size))
         def ds_for(c):  # the engine config of a candidate
-            if c.engine == "fsdp2":
-                return fsdp2_config(c, precision, a.device != "cpu")
-            return build_ds_config(c, hidden, a.world_size, precision, a.ranks_per_node, gpu=a.device != "cpu")
+            return engine_class(c.engine).engine_config(c, hidden, a.world_size, precision, a.ranks_per_node,
+                                                        gpu=a.device != "cpu")
         mfu, mbu, rates = a.mfu or DEFAULT_MFU, a.mbu or DEFAULT_MBU, None
         if a.calibration:  # one micro-batch's rates: a search with them tries only that micro-batch
             device, rates = calibrated(device, load_calibration(a.calibration, cfg, precision))
@@ -419,8 +414,8 @@ def main(argv=None):
                                  ds_config=best["ds_config_template"])
                 write_plan(best, chosen, ds_for(chosen), a.out, a)
                 if not a.json:
-                    engine_file = "fsdp2_config.json" if chosen.engine == "fsdp2" else "ds_config.json"
-                    print(f"written: {a.out}/config.yaml, {engine_file}, plan.json, launch.sh")
+                    print(f"written: {a.out}/config.yaml, {engine_class(chosen.engine).config_file}, plan.json, "
+                          f"launch.sh")
             return 0
         check_tp(model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size), cfg.tp_size, a.world_size,
                  a.ranks_per_node)

@@ -628,7 +628,7 @@ def draw(study, spec: StudySpec, output_dir: str) -> list[str]:
 def parent_run(study, base, spec: StudySpec) -> str:
     """With mlflow in the base config's report_to: the study's MLflow run (created once, its id kept in the
     study), under which each trial's run nests."""
-    from engine import tracking
+    from runlog import tracking
 
     if "mlflow" not in tracking.chosen(base):
         return ""
@@ -650,7 +650,7 @@ def parent_run(study, base, spec: StudySpec) -> str:
 def mark_nested_run(run_dir: str, number: int, state: str):
     """The trial's MLflow run tagged with its trial number and state; a pruned trial's (its job killed) ends
     KILLED, a failed one's FAILED (train.py ends a finished one's itself)."""
-    from engine import tracking
+    from runlog import tracking
 
     run = tracking.read_state(run_dir).get("mlflow")
     if not run:
@@ -674,7 +674,7 @@ def close_parent(study, base, run_id: str):
     from mlflow.tracking import MlflowClient
     from optuna.trial import TrialState
 
-    from engine import tracking
+    from runlog import tracking
 
     tracking.mlflow_quick_failures()
     client = MlflowClient(tracking.mlflow_uri(base) or None)

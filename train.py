@@ -1,17 +1,18 @@
-"""Train a Hugging Face ViT or Swin with DeepSpeed ZeRO stage 1, 2 or 3, or with PyTorch FSDP2 (`--engine fsdp2`): an
-image classifier, masked-image pretraining (`--task mae`, `--task simmim`) or a segmenter.
+"""Train a Hugging Face ViT or Swin with DeepSpeed ZeRO stage 1, 2 or 3, PyTorch FSDP2 (`--engine fsdp2`) or DDP
+(`--engine ddp`): an image classifier, masked-image pretraining (`--task mae`, `--task simmim`) or a segmenter.
 
     deepspeed --num_gpus 2 train.py --config configs/digits-vit.yaml    # CPU: 2 ranks, gloo; GPU: NCCL
     deepspeed train.py --config my-recipe.yaml --model vit-base          # every GPU of this node
     torchrun --nproc_per_node 2 train.py --zero_stage 3
     torchrun --nproc_per_node 2 train.py --engine fsdp2                  # PyTorch FSDP2 instead of DeepSpeed
+    torchrun --nproc_per_node 2 train.py --engine ddp                    # DistributedDataParallel (replicated)
     accelerate launch --multi_gpu --num_processes 2 train.py --model swin-debug
     python train.py --max_steps 20                                       # one rank
 
 Every config key, its default and meaning is in config.py; `--key value` overrides the recipe.
-The run directory receives config.yaml, ds_config.json (FSDP2: fsdp2_config.json), ac_plan.json, hf_config/,
-metrics.jsonl, TensorBoard events (tb/), checkpoints (checkpoints/: DeepSpeed's, or FSDP2's through
-torch.distributed.checkpoint) and, at the end, hf_model/ for `transformers.pipeline` (with task mae
+The run directory receives config.yaml, the engine's config (ds_config.json, fsdp2_config.json or ddp_config.json),
+ac_plan.json, hf_config/, metrics.jsonl, TensorBoard events (tb/), checkpoints (checkpoints/: DeepSpeed's, or the
+torch engines' through torch.distributed.checkpoint) and, at the end, hf_model/ for `transformers.pipeline` (with task mae
 also encoder/, which `--model` loads as a classifier to fine-tune).
 """
 import contextlib
@@ -27,7 +28,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+import compat
 from ac.policies import check_policy
+from checkpoints.hf_export import export_hf_model
+from checkpoints.manager import Resume, check_same_model, describe_load_error, find_resume, remove_interrupted, save
 from config import Config, ConfigError, parse
 from data.loader import (ShardStream, TrainLoader, check_labels, check_masks, check_streams, eval_batches,
                          merge_states, resume_state)
@@ -36,25 +40,24 @@ from data.synthetic import SyntheticBatches
 from data.synthetic import val_batches as synthetic_val
 from data.transforms import (EvalTransform, Normalize, SegEvalTransform, SegTrainTransform, TrainTransform,
                              mix_batch)
-from engine import compat, tracking
-from engine.checkpoint import (Resume, check_same_model, describe_load_error, find_resume, remove_interrupted, save,
-                               to_universal)
-from engine.distributed import (DistributedError, Heartbeat, cap_device_memory, check_device_memory, dist_env,
-                                exit_distributed, fail_fast, init_distributed, ranks_per_node)
-from engine.ema import EMA
-from engine.evaluation import Evaluation, evaluate
-from engine.hf_export import export_hf_model
-from engine.interval import Closed, Interval, StepRecord
-from engine.memory import memory_profiler, memory_trace, peak_memory_bytes
-from engine.optim import frozen_names
-from engine.parallelize import build_engine, build_training_model, engine_config
-from engine.preemption import EXIT_PREEMPTED, Preemption
-from engine.runlog import RunLog
-from engine.tensor_parallel import check_tp, layout
-from engine.timing import clock
+from engine.base import Engine
+from engine.build import build_engine, build_training_model, engine_config
+from engine.registry import check_engine
+from loop.distributed import (DistributedError, Heartbeat, cap_device_memory, check_device_memory, dist_env,
+                              exit_distributed, fail_fast, init_distributed, ranks_per_node)
+from loop.ema import EMA
+from loop.evaluation import Evaluation, evaluate
+from loop.interval import Closed, Interval, StepRecord
+from loop.optim import frozen_names
+from loop.peak_memory import memory_profiler, memory_trace, peak_memory_bytes
+from loop.preemption import EXIT_PREEMPTED, Preemption
+from loop.timing import clock
 from models.blocks import find_blocks
 from models.registry import check_weight_files, width
 from models.tasks import meta_model, run_config, task_loss
+from parallel.tensor import check_tp, layout
+from runlog import tracking
+from runlog.log import RunLog
 
 # a resumed run whose data layout changed starts a fresh data order, seeded by the seed and the step
 RESEED_STRIDE = 1_000_003
@@ -79,7 +82,7 @@ class Checked:
     train_sources: list
     val_sources: list
     class_names: list | None  # from the train shards' _info.json
-    ds_config: dict  # DeepSpeed's config as the template and the run config give it (before the model is profiled)
+    engine_config: dict  # the engine's config as the run config gives it (before the model is profiled)
     resume: Resume | None  # the checkpoint to continue from
     param_shapes: dict  # {name: shape} of the model as defined: train_state.json records them
 
@@ -88,6 +91,7 @@ def check_run(cfg: Config, world_size: int, rank: int) -> Checked:
     """Every check on the input that can fail, before anything is written or any process group forms."""
     if why := check_device_memory(cfg.device_memory_gb):
         raise ConfigError(why)
+    check_engine(cfg)  # an unknown engine, or a feature it lacks
     if world_size % cfg.replicate_degree:
         raise ConfigError(f"replicate_degree {cfg.replicate_degree} does not divide the world size ({world_size}): "
                           f"HSDP's replicas each shard the model over the same number of ranks")
@@ -114,8 +118,8 @@ def check_run(cfg: Config, world_size: int, rank: int) -> Checked:
     shapes = {n: list(p.shape) for n, p in defined_model.named_parameters()}
     if cfg.freeze:  # a pattern that names no parameter fails here, on the model's shapes alone
         frozen_names(list(shapes), cfg.freeze)
-    _, ds_config = engine_config(cfg, width(defined), world_size)
-    offload = ds_config.get("zero_optimization", {}).get("offload_param", {}).get("device", "none")
+    _, config = engine_config(cfg, width(defined), world_size)
+    offload = config.get("zero_optimization", {}).get("offload_param", {}).get("device", "none")
     if cfg.ema_decay and offload == "nvme":
         raise ConfigError("ema_decay with offload_param on nvme: the EMA averages the weights' partitions in memory, "
                           "and NVMe-offloaded partitions are not there; offload to cpu or set ema_decay 0")
@@ -152,7 +156,7 @@ def check_run(cfg: Config, world_size: int, rank: int) -> Checked:
             if not existed and os.path.isdir(cfg.output_dir):
                 shutil.rmtree(cfg.output_dir, ignore_errors=True)
             raise ConfigError(f"output_dir '{cfg.output_dir}' is not writable: {e.strerror}") from None
-    return Checked(train_sources, val_sources, names, ds_config, resume, shapes)
+    return Checked(train_sources, val_sources, names, config, resume, shapes)
 
 
 
@@ -165,7 +169,7 @@ class Run:
     world_size: int
     local_world: int  # ranks on this node
     data_rank: int  # this rank's tensor group among the data-parallel ones (its rank without tensor parallelism)
-    tp_rank: int  # this rank within its tensor group (engine/tensor_parallel.py)
+    tp_rank: int  # this rank within its tensor group (parallel/tensor.py)
     device: torch.device
     heartbeat: Heartbeat  # where this rank is; a dead or stalled rank stops the others within dist_timeout
     preemption: Preemption  # SIGTERM/SIGUSR1: finish the step, checkpoint, exit
@@ -216,11 +220,11 @@ def setup(argv) -> Run:
     if rank == 0:
         remove_interrupted(run.ckpt_dir)
     resume = checked.resume
-    if resume and resume.universal:  # written by another number of ranks: resharded through the universal format
-        heartbeat.beat("converting the checkpoint to the universal format")
+    if resume and resume.reshard:  # written by another number of ranks, in a format converted first
+        heartbeat.beat("converting the checkpoint for this number of ranks")
         if rank == 0:
             try:
-                to_universal(resume, world_size)
+                resume.convert(world_size)
             except ConfigError as e:
                 print(f"error: {e}", file=sys.stderr, flush=True)
                 os._exit(2)  # the other ranks wait in the barrier below; the launcher ends them
@@ -231,10 +235,10 @@ def setup(argv) -> Run:
 # ---------------------------------------------------------------------------------------------------- model
 @dataclass
 class Model:
-    engine: object  # deepspeed.DeepSpeedEngine
+    engine: Engine  # engine/base.py's interface: DeepSpeed's, FSDP2's or DDP's
     processor: object  # the Hugging Face image processor: normalisation, and saved with the export
     ac_plan: dict
-    ds_config: dict
+    engine_config: dict
     precision: str
     dtype: torch.dtype
     n_params: int
@@ -245,21 +249,21 @@ def build(run: Run) -> Model:
     holds the whole model), wrapped: activation checkpointing, then ZeRO, then torch.compile."""
     cfg, rank, resume = run.cfg, run.rank, run.checked.resume
     run.heartbeat.beat("building the model")
-    model, processor = build_training_model(cfg, run.checked.ds_config, run.checked.class_names,
+    model, processor = build_training_model(cfg, run.checked.engine_config, run.checked.class_names,
                                             log=print if rank == 0 else None)
     torch.manual_seed(cfg.seed)  # dropout and stochastic depth draw from here, however the model was built
     n_params = sum(compat.param_numel(p) for p in model.parameters())
     run.heartbeat.beat("wrapping the model")
     try:
         built = build_engine(model, cfg, run.world_size, run.device.type, log=print if rank == 0 else lambda *a: None,
-                             load_universal=bool(resume and resume.universal))
+                             resharding=bool(resume and resume.reshard))
     except ConfigError as e:  # an `auto` budget that cannot be met shows only once the model is profiled
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
             if not os.listdir(cfg.output_dir):  # created by check_run, nothing written yet
                 os.rmdir(cfg.output_dir)
         sys.exit(2)
-    return Model(built.engine, processor, built.ac_plan, built.ds_config, built.precision, built.dtype, n_params)
+    return Model(built.engine, processor, built.ac_plan, built.engine_config, built.precision, built.dtype, n_params)
 
 
 # ---------------------------------------------------------------------------------------------------- resume
@@ -279,9 +283,7 @@ def resume(run: Run, model: Model) -> Start:
     if resume:
         run.heartbeat.beat("loading the checkpoint")
         try:
-            with compat.universal_load_keeps_group_settings(model.engine) if cfg.engine == "deepspeed" else \
-                    contextlib.nullcontext():
-                path, client_state = model.engine.load_checkpoint(resume.load_dir, tag=resume.load_tag)
+            path, client_state = model.engine.load_checkpoint(resume.load_dir, resume.load_tag)
         except RuntimeError as e:  # another model's checkpoint: one line, every rank stops (bad input)
             if (why := describe_load_error(e, resume.path)) is None:
                 raise
@@ -341,19 +343,12 @@ def build_data(run: Run, model: Model, start: Start) -> Data:
 
 
 def open_log(run: Run, model: Model, start: Start, data: Data) -> RunLog:
-    """The run's one-line description, then its directory's files and logs (engine/runlog.py)."""
+    """The run's one-line description, then its directory's files and logs (runlog/log.py)."""
     cfg, world_size, local_world = run.cfg, run.world_size, run.local_world
+    engine = type(model.engine)
     if run.rank == 0:
-        if cfg.engine == "fsdp2":
-            sharding = f"FSDP2 ({'resharded' if cfg.zero_stage == 3 else 'kept'} after forward)"
-            if cfg.replicate_degree > 1:
-                shards = world_size // cfg.replicate_degree
-                sharding = (f"HSDP ({cfg.replicate_degree} replicas x {shards} shard{'s' if shards > 1 else ''}, "
-                            f"{'resharded' if cfg.zero_stage == 3 else 'kept'} after forward)")
-        else:
-            hpz = compat.zero3_hpz_ranks(model.engine.module) if cfg.zero_stage == 3 else 1
-            sharding = f"ZeRO-{cfg.zero_stage}" + (f" (hpZ over {hpz} ranks)" if hpz > 1 else "")
-        print(f"{cfg.model}: {model.n_params / 1e6:.2f}M params | {sharding} | {compat.optimizer_name(model.engine)} | "
+        sharding = engine.describe(cfg, world_size, model.engine.module)
+        print(f"{cfg.model}: {model.n_params / 1e6:.2f}M params | {sharding} | {model.engine.optimizer_name} | "
               f"{model.precision} | world size {world_size} ({world_size // local_world} node(s) x {local_world}, "
               f"{run.device.type}, {torch.get_num_threads()} threads per rank)"
               + (f" = {run.data_ranks} data x {cfg.tp_size} tensor parallel" if cfg.tp_size > 1 else "") +
@@ -367,8 +362,8 @@ def open_log(run: Run, model: Model, start: Start, data: Data) -> RunLog:
         tags = {"engine": cfg.engine, "zero_stage": cfg.zero_stage, "world_size": world_size, "task": cfg.task,
                 "model": cfg.model, "params_millions": round(model.n_params / 1e6, 2), "precision": model.precision,
                 "ac": cfg.ac, "commit": tracking.source_commit()}
-    return RunLog(cfg, run.rank, start.step, model.ds_config, model.ac_plan, model.engine.module, model.processor,
-                  run.flush_logs, tags)
+    return RunLog(cfg, run.rank, start.step, (engine.config_file, model.engine_config), model.ac_plan,
+                  model.engine.module, model.processor, run.flush_logs, tags)
 
 
 def images_per_step(cfg: Config, world_size: int) -> int:
@@ -399,8 +394,8 @@ def train_step(run: Run, model: Model, data: Data, step: int) -> tuple[torch.Ten
             mix_rng = torch.Generator().manual_seed(slot_seed)
             images, labels = mix_batch(images, labels, cfg.num_labels, cfg.mixup, cfg.cutmix, mix_rng)
         loss = task_loss(engine, cfg, images.to(model.dtype), labels, step, slot)
-        engine.backward(loss)  # DeepSpeed divides by grad_accum_steps
-        engine.step()  # optimizer and LR schedule advance only at the accumulation boundary
+        engine.backward(loss)  # divided by grad_accum_steps
+        engine.step()  # the optimizer and the LR schedule advance only at the accumulation boundary
         loss_sum += loss.detach().double()
     return loss_sum, skipped, padded, data_wait
 
@@ -421,7 +416,7 @@ class Trained:
 
 
 def train(run: Run, model: Model, start: Start, data: Data, log: RunLog) -> Trained:
-    """The steps, read from the device once per logging interval (engine/interval.py): at most every log_every
+    """The steps, read from the device once per logging interval (loop/interval.py): at most every log_every
     steps, at each evaluation and checkpoint, after the first two steps (warm-up, and the profiled step on CPU) and
     often enough for a preemption signal to be acted on within a quarter of preempt_grace."""
     cfg, device, engine, ema = run.cfg, run.device, model.engine, start.ema
@@ -445,7 +440,7 @@ def train(run: Run, model: Model, start: Start, data: Data, log: RunLog) -> Trai
         if data.per_epoch:
             record.extra["data/epoch"] = data.train_batches.state["batches"] / data.per_epoch
         interval.add(record, loss_sum, engine.get_global_grad_norm())
-        # DeepSpeed skips a step whose gradients are not finite, and every rank knows it without reading the device;
+        # the engine skips a step whose gradients are not finite, and every rank knows it without reading the device;
         # under fp16 that is its loss scaler's normal work, and a non-finite loss is read every step instead
         skipped_in_a_row = skipped_in_a_row + 1 if not record.applied else 0
         evaluating = step == cfg.max_steps or bool(cfg.eval_every and step % cfg.eval_every == 0)

@@ -6,8 +6,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from ac.recompute import Recorder, _Residual, cheap_modules, recomputable_linears
-from engine import compat
-from engine.tensor_parallel import shard_like_autotp
+import compat
+from parallel.tensor import shard_like_autotp
 from models.blocks import find_blocks
 from models.tasks import meta_model
 

@@ -22,7 +22,7 @@ import weakref
 import torch
 from torch import nn
 
-from engine import compat
+import compat
 
 # modules whose output is one elementwise (or per-row) function of their one input, and whose own backward
 # saves that input (ReLU and Tanh save their output: recomputing it would hold the input instead, no gain)

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from benchmarks.measure import CPU_ALLOCATOR_ENV, REPO, environment, gemm_gflops
 from benchmarks.report import fmt_ratio, judged, paired_ratio, render
-from engine.distributed import free_port
+from loop.distributed import free_port
 
 OUT = os.path.join(REPO, "benchmarks", "results", "async-save")
 RANKS, THREADS = 2, 1

@@ -34,15 +34,16 @@ import torch
 import torch.distributed as dist
 
 from config import Config
-from engine import compat
-from engine.distributed import cap_device_memory, exit_distributed, flush_cpu_denormals, init_distributed
-from engine.memory import allocation_curve, trace_events
-from engine.optim import lr_schedule, param_groups
+import compat
+from loop.distributed import cap_device_memory, exit_distributed, flush_cpu_denormals, init_distributed
+from loop.peak_memory import allocation_curve, trace_events
+from loop.optim import lr_schedule, param_groups
 from engine.fsdp2 import shard
 from engine.memory import fsdp2_memory_bytes
-from engine.parallelize import apply_ac, build_engine, build_training_model, engine_config
-from engine.tensor_parallel import layout
-from engine.timing import clock
+from engine.build import build_engine, build_training_model, engine_config
+from engine.parallelize import apply_ac
+from parallel.tensor import layout
+from loop.timing import clock
 from models import build_model, find_blocks, model_config, width
 from models.tasks import build_task_model, task_loss
 

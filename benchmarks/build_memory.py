@@ -38,8 +38,8 @@ def worker(args):
     import torch.distributed as dist
 
     from config import Config
-    from engine.distributed import exit_distributed, init_distributed
-    from engine.parallelize import build_engine, build_training_model, engine_config
+    from loop.distributed import exit_distributed, init_distributed
+    from engine.build import build_engine, build_training_model, engine_config
     from models import build_model, model_config
 
     device = init_distributed(int(os.environ.get("LOCAL_RANK", 0)))
@@ -91,7 +91,7 @@ def main():
     import deepspeed
     import transformers
 
-    from engine.distributed import free_port
+    from loop.distributed import free_port
 
     os.makedirs(args.out, exist_ok=True)
     jobs = []

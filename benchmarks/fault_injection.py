@@ -251,7 +251,7 @@ def can_mount() -> bool:
 
 
 def complete_checkpoints(run: str) -> list:
-    from engine.checkpoint import complete_checkpoints as complete
+    from checkpoints.manager import complete_checkpoints as complete
 
     ckpts = os.path.join(run, "checkpoints")
     return [tag for _, tag in complete(ckpts)] if os.path.isdir(ckpts) else []

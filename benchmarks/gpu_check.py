@@ -178,7 +178,7 @@ def probe_machine(out: str):
               "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None}
     n, dtype = (8192, torch.bfloat16) if cuda else (1024, torch.float32)
     device = "cuda" if cuda else "cpu"
-    from engine.timing import clock
+    from loop.timing import clock
 
     a = torch.randn(n, n, device=device, dtype=dtype)
     for _ in range(3):

@@ -51,7 +51,7 @@ def calibrate(model: str, image_size: int, patch_size: int, micro_batch_size: in
     """`plan.py --calibrate` of one shape under torchrun with the suite's ranks and threads: the planner's
     figures for it, measured with every rank running as in a suite's job (planner/calibration.py); `host`: with
     the host probe (planner/host.py)."""
-    from engine.distributed import free_port
+    from loop.distributed import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "calibration.json")
@@ -74,7 +74,7 @@ GPU_BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "B200": 225
 
 def gpu_peak_gflops(n: int = 8192, reps: int = 5) -> list:
     """bf16 GEMM rate of this GPU, measured now: the peak MFU is read against (the data sheet's beside it)."""
-    from engine.timing import clock
+    from loop.timing import clock
 
     device = torch.device("cuda", torch.cuda.current_device())
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
@@ -107,7 +107,7 @@ def steady_images_per_sec(records: list, first: int) -> float | None:
 
 def model_flops_per_image(shape: Shape) -> float:
     """Forward + backward FLOPs of the model as defined (no recompute), counted by torch."""
-    from engine import compat
+    import compat
     from models import build_model
 
     model, _ = build_model(shape.model, 10, shape.image_size, shape.patch_size)

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from config import Config
-from engine.distributed import exit_distributed, init_distributed
-from engine.parallelize import build_engine, build_training_model, engine_config
-from engine.timing import clock
+from loop.distributed import exit_distributed, init_distributed
+from engine.build import build_engine, build_training_model, engine_config
+from loop.timing import clock
 from models import model_config
 
 FIXED = ("none", "full", "every_n:2", "selective", "hierarchical")

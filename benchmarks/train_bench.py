@@ -30,7 +30,7 @@ from benchmarks.report import check_targets, compare, peak_of, plot, summarise, 
 from benchmarks.race import BESIDE, TRAINER, finalists, plot_race, race_markdown, race_targets, trainer_jobs
 from benchmarks.suites import SUITES, MiB, Run, Shape, Suite, fsdp2, micro_and_accum, runs_of
 from benchmarks.validate import write_validation
-from engine.distributed import free_port
+from loop.distributed import free_port
 from planner.calibration import median_calibration
 
 

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from benchmarks.measure import CPU_ALLOCATOR_ENV, REPO, environment, gemm_gflops
 from benchmarks.report import both, fmt_ratio, judged, paired_ratio, render
 from benchmarks.train_bench import run_worker
-from engine.distributed import free_port
+from loop.distributed import free_port
 
 OUT = os.path.join(REPO, "benchmarks", "results", "trainer")
 RANKS, THREADS = 2, 1

@@ -62,7 +62,7 @@ ZEROPP_QUANTIZED = ("zero_quantized_weights", "zero_quantized_nontrainable_weigh
 def _zeropp(zero: dict, where: str, node_ranks: int | None, gpu: bool | None):
     """Fill hpZ's "auto" partition size with the ranks per node; refuse quantized communication without a GPU.
     `node_ranks`, `gpu`: the cluster a plan is for (plan.py), instead of this process's."""
-    from engine.distributed import ranks_per_node
+    from loop.distributed import ranks_per_node
 
     if zero.get("zero_hpz_partition_size") == "auto":
         zero["zero_hpz_partition_size"] = node_ranks or ranks_per_node()
@@ -135,7 +135,7 @@ def build_ds_config(cfg: Config, hidden_size: int, world_size: int, precision: s
     where = f"ds_config '{os.path.relpath(path)}'"
     if "tensor_parallel" in ds:
         raise ConfigError(f"{where} has a 'tensor_parallel' section: tensor parallelism comes from tp_size, with this "
-                          f"project's partition of ViT and Swin blocks (engine/tensor_parallel.py); remove it")
+                          f"project's partition of ViT and Swin blocks (parallel/tensor.py); remove it")
     if "scheduler" in ds:
         raise ConfigError(f"{where} has a 'scheduler': the schedule comes from warmup_steps, max_steps, lr and "
                           f"min_lr; remove it")

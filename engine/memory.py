@@ -1,19 +1,5 @@
-"""Per-rank memory: what ZeRO holds beside the activations (the planner's accounting), and how much a step
-allocated on CPU, where torch keeps no allocator statistics (the profiler's memory events)."""
-import contextlib
-import json
-import os
-import resource
-import sys
-import tempfile
-
-import torch
-
-# kineto logs a line at every profiler start and stop unless its log level is above them
-KINETO_QUIET_LEVEL = "6"
-# c10's CPU allocator warns (once per process) when a block allocated before the profiler started is freed
-# under it; a profiled training step always frees such blocks, and the peak counts only what it allocates
-ALLOCATOR_WARNING = "Memory block of unknown size was allocated before the profiling started"
+"""Per-rank memory of each engine beside the activations (the planner's accounting, and what `auto` budgets the
+activations against) and the bytes each rank sends per step."""
 
 
 def zero_memory_bytes(n_params: int, zero_stage: int, world_size: int, precision: str, ds_config: dict) -> dict:
@@ -130,105 +116,51 @@ def offloaded_bytes(n_params: int, zero_stage: int, world_size: int, precision: 
     return int((16 * part if optimizer_off else 0) + (weight * part if param_off else 0))
 
 
-def peak_memory_bytes() -> int:
-    """GPU: the allocator's peak. CPU: the process's peak resident set (no allocator statistics there)."""
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-@contextlib.contextmanager
-def _stderr_without(text: str):
-    """Hold what C++ code writes to file descriptor 2 and pass on every line but those containing `text` at the
-    end. Python's own writes (sys.stderr: an error line, a preemption's message) go straight through, so that a
-    process that ends inside (`os._exit`) loses none of them."""
-    sys.stderr.flush()
-    saved, python_stderr = os.dup(2), sys.stderr
-    with tempfile.TemporaryFile() as held:
-        sys.stderr = open(saved, "w", buffering=1, encoding=python_stderr.encoding, errors="backslashreplace",
-                          closefd=False)
-        os.dup2(held.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            sys.stderr = python_stderr
-            os.dup2(saved, 2)
-            os.close(saved)
-            held.seek(0)
-            for line in held.read().decode(errors="replace").splitlines(keepends=True):
-                if text not in line:
-                    sys.stderr.write(line)
-            sys.stderr.flush()
-
-
-@contextlib.contextmanager
-def memory_profiler():
-    """torch's CPU profiler recording memory events, without the log lines it prints at every start and stop
-    and the allocator's warning about blocks allocated before it."""
-    from torch.profiler import ProfilerActivity, profile
-
-    os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET_LEVEL)  # read when the profiler first starts
-    with _stderr_without(ALLOCATOR_WARNING), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        yield prof
-
-
-def trace_events(prof) -> list:
-    """The events of a finished profiler run, as its chrome trace lists them."""
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        with open(f.name) as trace:
-            return json.load(trace)["traceEvents"]
-
-
-def allocation_curve(events: list) -> list[tuple[float, int]]:
-    """(time, bytes allocated) before the first and after each of a CPU profiler run's "[memory]" events, in
-    time order: the CPU counterpart of torch.cuda.memory_allocated().
-
-    The events' own running "Total Allocated" is not used: a free on a thread the profiler is not active on
-    is neither recorded nor taken off that count, and gloo's worker threads drop the last reference to a
-    finished asynchronous collective's tensors (ZeRO-3's gathers, FSDP2's all-gathers). A block the trace still
-    holds whose address is allocated again was freed unseen, so it is dropped then, the latest moment it can
-    have been freed; a block freed unseen and never reused stays counted, so the curve is never below the
-    real one (docs/benchmarks.md).
-    """
-    memory = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
-    if not memory:
-        return []
-    allocated = memory[0]["args"]["Total Allocated"] - memory[0]["args"]["Bytes"]  # from before the profiler
-    live, curve = {}, [(memory[0]["ts"], allocated)]
-    for e in memory:
-        address, size = e["args"]["Addr"], e["args"]["Bytes"]
-        if size > 0:
-            allocated += size - live.pop(address, 0)
-            live[address] = size
+def comm_bytes(n_params: int, zero_stage: int, grad_accum: int, world_size: int, ranks_per_node: int,
+               weight_bytes: int, zero: dict) -> tuple[float, float]:
+    """(bytes within a node, bytes between nodes) each rank sends per optimizer step, ring collectives moving
+    (N-1)/N of each tensor (Rajbhandari et al. 2020). ZeRO-1 reduces the gradients once and all-gathers the
+    updated weights; ZeRO-2 reduces after every micro-batch (it keeps only its gradient partition). DeepSpeed
+    reduces by all-reducing each bucket and keeping its partition (`use_multi_rank_bucket_allreduce`, on by
+    default), twice a reduce-scatter's bytes, and otherwise by reducing each partition to its owner. ZeRO-3
+    reduce-scatters the gradients after every micro-batch and all-gathers the weights in its forward and again
+    in its backward. Gradients travel in the weights' precision. ZeRO++ (Wang et al. 2023): qwZ gathers int8
+    weights (1 byte), hpZ gathers the backward's weights from a secondary partition within the node, qgZ
+    reduces int4 gradients (0.5 byte)."""
+    share = (world_size - 1) / world_size if world_size > 1 else 0.0
+    multi_node = world_size > ranks_per_node
+    if zero_stage in (1, 2):
+        per_reduction = 2 if zero.get("use_multi_rank_bucket_allreduce", True) else 1
+        reductions = 1 if zero_stage == 1 else grad_accum
+        total = (reductions * per_reduction + 1) * n_params * weight_bytes * share
+        return (0.0, total) if multi_node else (total, 0.0)
+    hpz = zero.get("zero_hpz_partition_size", 1)
+    hpz = hpz if isinstance(hpz, int) and hpz > 1 else 1
+    forward = n_params * (1 if zero.get("zero_quantized_weights") else weight_bytes) * share
+    grads = n_params * (0.5 if zero.get("zero_quantized_gradients") else weight_bytes) * share
+    backward = n_params * weight_bytes * ((hpz - 1) / hpz if hpz > 1 else share)
+    intra = inter = 0.0
+    for volume, local in ((forward, False), (backward, hpz > 1), (grads, False)):
+        if local or not multi_node:
+            intra += volume * grad_accum
         else:
-            allocated -= live.pop(address, -size)
-        curve.append((e["ts"], allocated))
-    return curve
+            inter += volume * grad_accum
+    return intra, inter
 
 
-def memory_trace(prof) -> tuple[int, int, int]:
-    """(allocated before, peak, allocated after) from a CPU profiler run with profile_memory=True."""
-    curve = allocation_curve(trace_events(prof))
-    if not curve:
-        return 0, 0, 0
-    return curve[0][1], max(v for _, v in curve), curve[-1][1]
-
-
-def measure_activation_bytes(model, images: torch.Tensor) -> int:
-    """Bytes a training forward leaves allocated for the backward (activations plus the logits), measured:
-    the caching allocator's count on GPU, the profiler's memory events on CPU."""
-    if images.is_cuda:
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        out = model(images).logits
-        torch.cuda.synchronize()
-        retained = torch.cuda.memory_allocated() - before
-        del out
-        return retained
-    with memory_profiler() as prof:
-        out = model(images).logits
-    before, _, after = memory_trace(prof)
-    del out
-    return after - before
+def fsdp2_comm_bytes(n_params: int, reshard: bool, grad_accum: int, world_size: int, ranks_per_node: int,
+                     weight_bytes: int, replicate: int = 1) -> tuple[float, float]:
+    """comm_bytes for the FSDP2 engine (engine/fsdp2.py): each micro-batch all-gathers every weight in the compute
+    dtype for its forward and, resharding, again for its backward; the gradients are reduce-scattered once a step
+    in fp32 (micro-batches before the last accumulate without a reduction); ring collectives, (N-1)/N of each
+    tensor. One mesh over every rank: across nodes every collective crosses them. HSDP (`replicate` > 1): the
+    gathers and the reduce-scatter run within a shard group of world/replicate ranks, and each rank's fp32
+    gradient shard is all-reduced across the replicas (2(R-1)/R of it), between nodes when a shard group is no
+    larger than a node."""
+    shards = world_size // replicate
+    share = (shards - 1) / shards if shards > 1 else 0.0
+    total = ((2 if reshard else 1) * grad_accum * weight_bytes + 4) * n_params * share
+    across = 2 * (replicate - 1) / replicate * 4 * n_params / shards if replicate > 1 else 0.0
+    if shards > ranks_per_node:
+        return 0.0, total + across
+    return (total, across) if world_size > ranks_per_node else (total + across, 0.0)

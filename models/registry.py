@@ -16,7 +16,7 @@ from transformers import (AutoConfig, AutoImageProcessor, AutoModelForImageClass
                           SegformerForImageClassification, SwinConfig, SwinForImageClassification, ViTConfig,
                           ViTForImageClassification, ViTImageProcessorPil)
 
-from engine import compat
+import compat
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 

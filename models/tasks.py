@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from config import ConfigError
 from data.masking import masked_inputs
-from engine import compat
+import compat
 from models.registry import (NAMES, add_drop_path, init_weights, is_registry, model_config, module_seed,
                              registry_processor)
 

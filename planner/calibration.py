@@ -7,7 +7,7 @@ from dataclasses import replace
 import torch
 
 from config import Config
-from engine import compat
+import compat
 from engine.ds_config import DTYPES
 from models.tasks import meta_model
 from planner.devices import Device

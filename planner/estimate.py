@@ -5,12 +5,13 @@ from ac.budget import plan_figures, recompute_elems
 from ac.policies import choose_plan
 from ac.profile import profile_model
 from config import Config
+from engine.base import Sizes
 from engine.ds_config import DTYPES
-from engine.memory import (fsdp2_memory_bytes, fsdp2_memory_parts, offloaded, offloaded_bytes, zero_memory_bytes,
-                           zero_memory_parts)
+from engine.memory import offloaded, offloaded_bytes
+from engine.registry import engine_class
 from models.blocks import Block
 from planner.devices import ALLOCATOR_MARGIN, DEFAULT_MBU, DEFAULT_MFU, RESERVED_GIB, Device, target
-from planner.host import host_seconds
+from planner.host import host_seconds, probed_engine
 
 
 GiB = 2**30
@@ -22,57 +23,6 @@ OPTIMIZER_BYTES_PER_PARAM = 25 * 4
 # ZeRO-Offload's optimizer step on the host: parameters updated per second by one node's CPU Adam, all its ranks
 # together. An assumption for a two-socket server (docs/planner.md gives what one core measured here).
 HOST_ADAM_PARAMS_PER_S = 2e9
-OFFLOAD_TEMPLATE = "ds_configs/zero3_offload.json"
-
-
-def comm_bytes(n_params: int, zero_stage: int, grad_accum: int, world_size: int, ranks_per_node: int,
-               weight_bytes: int, zero: dict) -> tuple[float, float]:
-    """(bytes within a node, bytes between nodes) each rank sends per optimizer step, ring collectives moving
-    (N-1)/N of each tensor (Rajbhandari et al. 2020). ZeRO-1 reduces the gradients once and all-gathers the
-    updated weights; ZeRO-2 reduces after every micro-batch (it keeps only its gradient partition). DeepSpeed
-    reduces by all-reducing each bucket and keeping its partition (`use_multi_rank_bucket_allreduce`, on by
-    default), twice a reduce-scatter's bytes, and otherwise by reducing each partition to its owner. ZeRO-3
-    reduce-scatters the gradients after every micro-batch and all-gathers the weights in its forward and again
-    in its backward. Gradients travel in the weights' precision. ZeRO++ (Wang et al. 2023): qwZ gathers int8
-    weights (1 byte), hpZ gathers the backward's weights from a secondary partition within the node, qgZ
-    reduces int4 gradients (0.5 byte)."""
-    share = (world_size - 1) / world_size if world_size > 1 else 0.0
-    multi_node = world_size > ranks_per_node
-    if zero_stage in (1, 2):
-        per_reduction = 2 if zero.get("use_multi_rank_bucket_allreduce", True) else 1
-        reductions = 1 if zero_stage == 1 else grad_accum
-        total = (reductions * per_reduction + 1) * n_params * weight_bytes * share
-        return (0.0, total) if multi_node else (total, 0.0)
-    hpz = zero.get("zero_hpz_partition_size", 1)
-    hpz = hpz if isinstance(hpz, int) and hpz > 1 else 1
-    forward = n_params * (1 if zero.get("zero_quantized_weights") else weight_bytes) * share
-    grads = n_params * (0.5 if zero.get("zero_quantized_gradients") else weight_bytes) * share
-    backward = n_params * weight_bytes * ((hpz - 1) / hpz if hpz > 1 else share)
-    intra = inter = 0.0
-    for volume, local in ((forward, False), (backward, hpz > 1), (grads, False)):
-        if local or not multi_node:
-            intra += volume * grad_accum
-        else:
-            inter += volume * grad_accum
-    return intra, inter
-
-
-def fsdp2_comm_bytes(n_params: int, reshard: bool, grad_accum: int, world_size: int, ranks_per_node: int,
-                     weight_bytes: int, replicate: int = 1) -> tuple[float, float]:
-    """comm_bytes for the FSDP2 engine (engine/fsdp2.py): each micro-batch all-gathers every weight in the compute
-    dtype for its forward and, resharding, again for its backward; the gradients are reduce-scattered once a step
-    in fp32 (micro-batches before the last accumulate without a reduction); ring collectives, (N-1)/N of each
-    tensor. One mesh over every rank: across nodes every collective crosses them. HSDP (`replicate` > 1): the
-    gathers and the reduce-scatter run within a shard group of world/replicate ranks, and each rank's fp32
-    gradient shard is all-reduced across the replicas (2(R-1)/R of it), between nodes when a shard group is no
-    larger than a node."""
-    shards = world_size // replicate
-    share = (shards - 1) / shards if shards > 1 else 0.0
-    total = ((2 if reshard else 1) * grad_accum * weight_bytes + 4) * n_params * share
-    across = 2 * (replicate - 1) / replicate * 4 * n_params / shards if replicate > 1 else 0.0
-    if shards > ranks_per_node:
-        return 0.0, total + across
-    return (total, across) if world_size > ranks_per_node else (total + across, 0.0)
 
 
 def tp_allreduce_bytes(prof, plan, tp_size: int) -> float:
@@ -114,14 +64,10 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
     fwd_flops, n_ops = prof.forward_flops / cfg.micro_batch_size, prof.ops
     tp = cfg.tp_size
     data_ranks = world_size // tp  # ZeRO's partitions and the data-parallel collectives: over these
-    if cfg.engine == "fsdp2":  # its shards, unsharded weights and AdamW (engine/memory.py)
-        outside = n_params - sum(p.params for p in prof)  # the root's parameters: the stem, the final norm, the head
-        memory_args = (n_params, outside, largest, data_ranks // cfg.replicate_degree, precision, cfg.zero_stage == 3, target(device) != "cpu",
-                       cfg.grad_accum_steps)
-        parts, fixed = fsdp2_memory_parts(*memory_args), fsdp2_memory_bytes(*memory_args)
-    else:
-        parts = zero_memory_parts(n_params, cfg.zero_stage, data_ranks, precision, ds_config)
-        fixed = zero_memory_bytes(n_params, cfg.zero_stage, data_ranks, precision, ds_config)
+    engine = engine_class(cfg.engine)
+    # the stem, the final norm and the head: the parameters outside the blocks
+    sizes = Sizes(n_params, n_params - sum(p.params for p in prof), largest)
+    parts, fixed = engine.memory(cfg, sizes, data_ranks, precision, ds_config, target(device) != "cpu")
     plan = choose_plan(cfg.ac, _blocks_of(prof), prof, fixed)
     figures = plan_figures(prof, plan, fixed)
     activations = figures["activation_peak_planned"]
@@ -133,7 +79,7 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
     # memory traffic of a micro-batch: forward, backward, and the recomputed cheap ops (read twice, written once)
     rerun = sum(recompute_elems(p, how) for p, how in zip(prof, plan))
     moved = 3 * prof.moved_bytes + 3 * rerun * weight_bytes
-    holders = data_ranks // cfg.replicate_degree if cfg.engine == "fsdp2" else data_ranks  # ranks sharing AdamW
+    holders = engine.optimizer_holders(cfg, data_ranks)  # ranks sharing AdamW's states
     optimizer_moved = OPTIMIZER_BYTES_PER_PARAM * n_params / holders if not offloaded(cfg.zero_stage, ds_config)[0] \
         else 0
     bandwidth = device.mem_gbs * 1e9 * mbu
@@ -143,8 +89,8 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
     device_micro_s = flops / cfg.grad_accum_steps / flop_rate + moved / model_bandwidth
     optimizer_s = optimizer_moved / bandwidth
     probed = (rates or {}).get("host")
-    if probed and (str(cfg.zero_stage) not in probed["stages"] or cfg.engine != "deepspeed"):
-        probed = None  # probed under other ZeRO stages only, or DeepSpeed's host time and not FSDP2's
+    if probed and (str(cfg.zero_stage) not in probed["stages"] or probed_engine(probed) != cfg.engine):
+        probed = None  # probed under other ZeRO stages only, or another engine's host time
     if probed:  # the engine's host seconds, measured (planner/host.py)
         serial = target(device) == "cpu"
         host = host_seconds(probed, cfg.zero_stage, plan, serial)
@@ -163,12 +109,7 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
     saturating = math.ceil(host_micro_s / per_image_s) if per_image_s > 0 and host_micro_s > 0 else 1
     compute_s = micro_s * cfg.grad_accum_steps + optimizer_s
     zero = ds_config.get("zero_optimization", {})
-    if cfg.engine == "fsdp2":
-        intra, inter = fsdp2_comm_bytes(n_params, cfg.zero_stage == 3, cfg.grad_accum_steps, data_ranks,
-                                        ranks_per_node, weight_bytes, cfg.replicate_degree)
-    else:
-        intra, inter = comm_bytes(n_params, cfg.zero_stage, cfg.grad_accum_steps, data_ranks,
-                                  max(1, ranks_per_node // tp), weight_bytes, zero)
+    intra, inter = engine.comm_bytes(cfg, n_params, data_ranks, ranks_per_node, weight_bytes, ds_config)
     sent = intra + inter
     comm_s = intra / (device.intra_gbs * 1e9) + inter / (device.inter_gbs * 1e9)
     tp_bytes = tp_allreduce_bytes(prof, plan, tp) * cfg.grad_accum_steps

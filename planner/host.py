@@ -1,8 +1,8 @@
 """The host's share of a step: what the engine's Python, the dispatcher, the checkpointing hooks and the
 collectives' latency cost per micro-batch and per optimizer step, whatever the width.
 
-The probe runs the real engine (engine/parallelize.py's checkpointing and ZeRO wrapping, every rank of the
-launch) on the model's own structure at a width of 32 and one image, where arithmetic is negligible, at two
+The probe runs the real engine (DeepSpeed's: the checkpointing and ZeRO wrapping of engine/deepspeed_zero.py, every
+rank of the launch) on the model's own structure at a width of 32 and one image, where arithmetic is negligible, at two
 depths. Per ZeRO stage and per block policy (none, selective, full), the forward and backward's seconds fit a
 line in the number of blocks: the slope is the host seconds a block of that policy costs, the intercept what a
 micro-batch costs besides its blocks (embedding, head, loss, the engine's entry and exit). `engine.step()` fits
@@ -25,9 +25,10 @@ from dataclasses import replace
 import torch
 
 from config import Config
-from engine import compat
+import compat
+from engine.deepspeed_zero import DeepSpeedEngine
 from engine.ds_config import DTYPES, build_ds_config
-from engine.timing import synchronize
+from loop.timing import synchronize
 
 MODES = ("none", "selective", "full")  # what a plan assigns a block (ac/policies.py's choose_plan)
 STAGES = (1, 2, 3)
@@ -58,6 +59,11 @@ def probe_configs(config) -> list:
     return out
 
 
+def probed_engine(probed: dict) -> str:
+    """The engine a probe ran (DeepSpeed's, in calibrations that do not name it)."""
+    return probed.get("engine", DeepSpeedEngine.name)
+
+
 def _median_seconds(run_micro, run_step, device, warmup: int, steps: int) -> tuple[float, float]:
     micro, step = [], []
     for i in range(warmup + steps):
@@ -78,13 +84,13 @@ def _median_seconds(run_micro, run_step, device, warmup: int, steps: int) -> tup
 def _engine_seconds(config, run: Config, world_size: int, images, labels, device, dtype, warmup: int,
                     steps: int) -> tuple[float, float, float]:
     """(micro-batch, optimizer step, bare micro-batch) seconds of the model under `run`'s checkpointing and ZeRO
-    stage, wrapped as a run's model is (engine/parallelize.py); the bare forward and backward is the same model
+    stage, wrapped as a run's model is (engine/deepspeed_zero.py); the bare forward and backward is the same model
     timed just before it is wrapped (the dispatcher's share alone), so that the difference is measured in one
     moment of the machine."""
     from transformers import AutoModelForImageClassification
 
     from ac.policies import apply_activation_checkpointing
-    from engine.parallelize import apply_zero
+    from engine.deepspeed_zero import initialize
     from models.registry import width
 
     ds_config = build_ds_config(run, width(config), world_size, run.precision)
@@ -97,7 +103,7 @@ def _engine_seconds(config, run: Config, world_size: int, images, labels, device
     with compat.functional_linear_is_torchs():
         bare_s = _median_seconds(bare, lambda: model.zero_grad(set_to_none=True), device, warmup, steps)[0]
     plan = apply_activation_checkpointing(model, run.ac, device.type, log=lambda *_: None)
-    engine = apply_zero(model, run, ds_config, plan)
+    engine = initialize(model, run, ds_config, plan)
 
     def micro():
         engine.backward(engine(pixel_values=images, labels=labels).loss)
@@ -142,7 +148,7 @@ def probe(cfg: Config, precision: str, device: torch.device, world_size: int, wa
     def median(depth, stage, mode, i):
         return statistics.median(s[i] for s in samples[depth, stage, mode])
     depths = range(len(configs))
-    return {"blocks": [b for _, b in configs], "warmup": warmup, "steps": steps, "rounds": rounds,
+    return {"engine": DeepSpeedEngine.name, "blocks": [b for _, b in configs], "warmup": warmup, "steps": steps, "rounds": rounds,
             "width": PROBE_WIDTH, "micro_batch_size": 1,
             "stages": {str(s): {"micro": {m: [median(d, s, m, 0) for d in depths] for m in MODES},
                                 "plain": {m: [median(d, s, m, 2) for d in depths] for m in MODES},

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import compat
-from engine.timing import synchronize
+import compat
+from loop.timing import synchronize
 from ac.profile import VIEW_OPS
 
 
@@ -142,7 +142,7 @@ def collective_gbs(device: torch.device, n: int = 2**24, reps: int = 5) -> float
 
 
 def _sync(device: torch.device):
-    """What waits for `device`'s queued work (engine.timing)."""
+    """What waits for `device`'s queued work (loop.timing)."""
     return lambda: synchronize(device)
 
 

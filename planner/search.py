@@ -3,19 +3,18 @@ from dataclasses import replace
 
 from ac.profile import PROFILE_BATCH, profile_model
 from config import Config, ConfigError
+from engine.deepspeed_zero import OFFLOAD_TEMPLATE, DeepSpeedEngine
 from engine.ds_config import DTYPES
-from engine.tensor_parallel import check_tp
+from engine.registry import ENGINES
 from models.registry import model_config
+from parallel.tensor import check_tp
 from planner.devices import DEFAULT_MBU, DEFAULT_MFU, Device, target
-from planner.estimate import OFFLOAD_TEMPLATE, estimate
-
-
-ZEROPP_TEMPLATE = "ds_configs/zero3pp.json"
+from planner.estimate import estimate
 
 
 def tp_sizes(cfg: Config, world_size: int, ranks_per_node: int) -> list:
     """The tensor-parallel sizes a search tries: cfg.tp_size if it is set, else every power of two that
-    engine/tensor_parallel.py accepts for this model and cluster (1 always)."""
+    parallel/tensor.py accepts for this model and cluster (1 always)."""
     if cfg.tp_size > 1:
         return [cfg.tp_size]
     model = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size)
@@ -32,9 +31,11 @@ def tp_sizes(cfg: Config, world_size: int, ranks_per_node: int) -> list:
 def search(cfg: Config, ds_config_for, precision: str, world_size: int, ranks_per_node: int, device: Device,
            global_batch: int, mfu: float = DEFAULT_MFU, overlap: float = 0.0, policies=None,
            mbu: float = DEFAULT_MBU, rates=None, tp=None, engines=None) -> list:
-    """Every (engine, tensor-parallel size, ZeRO stage, micro-batch, accumulation, ac policy) whose global batch is
-    `global_batch` and whose peak fits, fastest first. `ds_config_for(cfg)`: the engine config of a candidate
-    (DeepSpeed's, or FSDP2's). `engines`: the engines to try (default both). `tp`: the tensor-parallel sizes to try (default tp_sizes()), each checked against the model and
+    """Every (engine and its variant, tensor-parallel size, micro-batch, accumulation, ac policy) whose global batch
+    is `global_batch` and whose peak fits, fastest first. `ds_config_for(cfg)`: the engine config of a candidate.
+    `engines`: the engines to try (default every one in engine/registry.py), each with the variants its
+    `search_variants` lists (DeepSpeed: ZeRO 1 to 3, offload, ZeRO++ across nodes; FSDP2: resharding or not,
+    HSDP across nodes; DDP). `tp`: the tensor-parallel sizes to try (default tp_sizes()), each checked against the model and
     cluster. `rates`: a calibration of cfg's micro-batch (estimate()), which then is the only micro-batch and the
     only tensor-parallel size (cfg's) searched."""
     if global_batch % world_size:
@@ -55,29 +56,15 @@ def search(cfg: Config, ds_config_for, precision: str, world_size: int, ranks_pe
             micro_batches = [cfg.micro_batch_size]
         base = profile_model(replace(cfg, micro_batch_size=PROFILE_BATCH, tp_size=size), target(device),
                              DTYPES[precision])
-        # ZeRO-3 also with ZeRO++ (ds_configs/zero3pp.json: hpZ over a node, quantized weights and gradients)
-        # when the job spans nodes: within one node hpZ's secondary partition would be the primary one; and
-        # ZeRO-3 with the optimizer and the weights offloaded to host memory (ds_configs/zero3_offload.json).
-        # Under tensor parallelism ZeRO 1 to 3 only, as tested
-        # and FSDP2, resharding after the forward (ZeRO-3's trade) or not, where it runs: without tensor
-        # parallelism and without a DeepSpeed template; across nodes also HSDP (a replica per node, ZeRO++'s
-        # hierarchical partitioning's analogue)
-        nodes = world_size // ranks_per_node if world_size > ranks_per_node and world_size % ranks_per_node == 0 \
-            else 1
-        variants = [("deepspeed", 1, "", 1), ("deepspeed", 2, "", 1), ("deepspeed", 3, "", 1)] + (
-            [("deepspeed", 3, OFFLOAD_TEMPLATE, 1)] + (
-                [("deepspeed", 3, ZEROPP_TEMPLATE, 1)] if world_size > ranks_per_node else []) +
-            [("fsdp2", 3, "", 1), ("fsdp2", 2, "", 1)] +
-            ([("fsdp2", 3, "", nodes), ("fsdp2", 2, "", nodes)] if nodes > 1 else []) if size == 1 else [])
-        if engines:
-            variants = [v for v in variants if v[0] in engines]
-        for engine, stage, template, replicate in variants:
+        variants = [(name, v) for name, e in ENGINES.items() if not engines or name in engines
+                    for v in e.search_variants(world_size, ranks_per_node, size)]
+        for engine, variant in variants:
             for micro in micro_batches:
                 scaled = (base[0].scaled(micro / PROFILE_BATCH), *base[1:])
                 for ac in policies:
-                    candidate = replace(cfg, engine=engine, zero_stage=stage, micro_batch_size=micro, tp_size=size,
-                                        grad_accum_steps=per_rank // micro, ac=ac, ds_config=template,
-                                        replicate_degree=replicate)
+                    candidate = replace(cfg, engine=engine, micro_batch_size=micro, tp_size=size,
+                                        grad_accum_steps=per_rank // micro, ac=ac, ds_config="", replicate_degree=1,
+                                        **variant)
                     est = estimate(candidate, ds_config_for(candidate), precision, world_size, ranks_per_node,
                                    device, mfu, overlap, scaled, mbu, rates)
                     if est["fits"]:
@@ -91,7 +78,7 @@ def smallest_cluster(cfg: Config, ds_config_for, precision: str, ranks_per_node:
                      limit: int = 2**20):
     """(the fewest ranks, a power of two, on which ZeRO-3 with full recompute at micro-batch 1 fits, with the
     optimizer and weights offloaded if that is what fits first; whether it is) or (None, False)."""
-    cfg = replace(cfg, tp_size=1)
+    cfg = replace(cfg, tp_size=1, engine=DeepSpeedEngine.name)
     base = profile_model(replace(cfg, micro_batch_size=1), target(device), DTYPES[precision])
     world = 1
     while world <= limit:

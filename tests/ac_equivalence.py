@@ -22,12 +22,12 @@ import torch.nn.functional as F
 from ac.budget import activation_peak
 from ac.profile import profile_blocks, profile_model
 from config import Config
-from engine import compat
-from engine.distributed import exit_distributed
+import compat
+from loop.distributed import exit_distributed
 from engine.memory import zero_memory_bytes
-from engine.optim import param_groups
-from engine.parallelize import build_engine, build_training_model, engine_config
-from engine.tensor_parallel import layout, rank_params
+from loop.optim import param_groups
+from engine.build import build_engine, build_training_model, engine_config
+from parallel.tensor import layout, rank_params
 from models import build_model
 
 def main(argv):

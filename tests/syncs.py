@@ -3,7 +3,7 @@ conftest forks a rank running this module's `main`, which installs the counter a
 
 A synchronisation is what makes the host wait for a GPU: a read of a tensor's value (`item`, `float`, `int`,
 `bool`: the dispatcher's `_local_scalar_dense`), `tolist`, `numpy`, a `torch.tensor(..., device=...)` built from
-host data, engine.timing.synchronize and, in the project's code, `cpu` and a blocking `to(device)` copy. On the CPU
+host data, loop.timing.synchronize and, in the project's code, `cpu` and a blocking `to(device)` copy. On the CPU
 none of them waits; counted here, they are what a GPU run would wait on. Each is charged to the innermost frame
 outside torch and the standard library: the project's training code (train.py, engine/, ac/, models/,
 data/transforms.py: "train"), DeepSpeed ("deepspeed") or anything else ("other": the data loader's host-side
@@ -68,8 +68,8 @@ def moves(self, *args, **kwargs) -> bool:
 
 
 def install():
-    import engine.distributed
-    import engine.timing
+    import loop.distributed
+    import loop.timing
 
     for name in ("tolist", "numpy"):
         setattr(torch.Tensor, name, counting(getattr(torch.Tensor, name)))
@@ -78,13 +78,13 @@ def install():
     torch.Tensor.cpu = counting(torch.Tensor.cpu, only_train=True)
     torch.Tensor.to = counting(torch.Tensor.to, moves, only_train=True)
     torch.tensor = counting(torch.tensor, lambda *a, **k: k.get("device") is not None)
-    engine.timing.synchronize = counting(engine.timing.synchronize)
-    beat = engine.distributed.Heartbeat.beat
+    loop.timing.synchronize = counting(loop.timing.synchronize)
+    beat = loop.distributed.Heartbeat.beat
 
     def traced(self, what):
         PHASE[0] = what
         return beat(self, what)
-    engine.distributed.Heartbeat.beat = traced
+    loop.distributed.Heartbeat.beat = traced
 
 
 def main(argv):

@@ -22,8 +22,9 @@ import sys
 
 # train.py and what its ranks import while they run (DeepSpeed at the process group's start, matplotlib on rank 0)
 PRELOAD = ("train", "export", "deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer", "torch.utils.tensorboard",
-           "engine.figures")
-PROJECT = {"train", "config", "engine", "models", "ac", "data", "planner", "plan", "export"}
+           "runlog.figures")
+PROJECT = {"train", "config", "compat", "engine", "models", "parallel", "ac", "data", "loop", "runlog", "checkpoints", "planner",
+           "launch", "plan", "export"}
 
 
 def install_faults(cwd: str):
@@ -133,7 +134,7 @@ def warm():
     import torch
 
     if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as engine.distributed.init_distributed sets it
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as loop.distributed.init_distributed sets it
         load_shm_op()
 
 

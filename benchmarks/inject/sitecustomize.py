@@ -87,9 +87,10 @@ def full_disk(checkpoint):
     def faulty_save(engine, ckpt_dir, step, *args, **kwargs):
         if (step, rank()) not in ENOSPC_AT:
             return save(engine, ckpt_dir, step, *args, **kwargs)
-        if not hasattr(engine, "checkpoint_engine"):  # the FSDP2 engine: DCP's writer of this rank's shard file
+        writer = getattr(getattr(engine, "ds", None), "checkpoint_engine", None)  # DeepSpeed's file writer
+        if writer is None:  # the torch engines: DCP's writer of this rank's shard file
             return dcp_full_disk(save, engine, ckpt_dir, step, *args, **kwargs)
-        original = engine.checkpoint_engine.save
+        original = writer.save
 
         def half_written(state_dict, path):
             buffer = io.BytesIO()
@@ -98,11 +99,11 @@ def full_disk(checkpoint):
                 f.write(buffer.getbuffer()[:buffer.tell() // 2])
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 
-        engine.checkpoint_engine.save = half_written
+        writer.save = half_written
         try:
             return save(engine, ckpt_dir, step, *args, **kwargs)
         finally:
-            engine.checkpoint_engine.save = original
+            writer.save = original
     checkpoint.save = faulty_save
 
 
@@ -120,9 +121,9 @@ def dcp_full_disk(save, engine, ckpt_dir, step, *args, **kwargs):
             f.write(b"\0" * 4096)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 
-    background = getattr(engine, "async_save", False) and not kwargs.get("wait", True)
+    background = engine.async_save and not kwargs.get("wait", True)
     if background:  # the write in flight finishes with the writer intact (save would commit it first)
-        sys.modules["engine.checkpoint"].commit_pending(engine, kwargs.get("log", print))
+        sys.modules["checkpoints.manager"].commit_pending(engine, kwargs.get("log", print))
     FileSystemWriter.write_data = half_written
     if not background:
         try:
@@ -145,8 +146,8 @@ def dcp_full_disk(save, engine, ckpt_dir, step, *args, **kwargs):
 
 
 if NAN_AT:
-    patch_after_import("engine.distributed", track_steps)
+    patch_after_import("loop.distributed", track_steps)
 if RAISE or NAN_AT:
     patch_after_import("models.tasks", faulty_loss)
 if ENOSPC_AT:
-    patch_after_import("engine.checkpoint", full_disk)
+    patch_after_import("checkpoints.manager", full_disk)

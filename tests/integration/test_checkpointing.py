@@ -37,7 +37,7 @@ def test_every_policy_matches_none_bitwise_under_zero(stage, tmp_path):
     if stage == "fsdp2":
         assert compat_found["optimizer"] == ["AdamW", False]  # torch's foreach AdamW, as DeepSpeed's side on CPU
         return
-    # what engine/compat.py relies on in DeepSpeed: its CPU all-reduce buffer under the name it computes, and
+    # what compat.py relies on in DeepSpeed: its CPU all-reduce buffer under the name it computes, and
     # (ZeRO-3) DeepSpeed's process-wide linear, which it replaces
     assert compat_found["shm_released"] is True
     assert compat_found["optimizer"] == ["AdamW", False]
@@ -45,7 +45,7 @@ def test_every_policy_matches_none_bitwise_under_zero(stage, tmp_path):
         # what the planner charges ZeRO-1/2 for a step's communication is what DeepSpeed sent: it all-reduces
         # the gradients (2(N-1)/N of each bucket per rank) and all-gathers the updated weights ((N-1) times
         # each rank's partition); a scalar all-reduce or two (the gradient norm) aside
-        from planner.estimate import comm_bytes
+        from engine.memory import comm_bytes
 
         logged = compat_found["zero_collectives"]
         sent = logged["bytes"]

@@ -64,7 +64,7 @@ def test_one_rank_resumes_on_two(debug_args, tmp_path, stage):
 @pytest.mark.parametrize("stage", [pytest.param(s, marks=pytest.mark.slow) if s != 2 else s for s in STAGES])
 def test_the_gradient_norm_does_not_depend_on_the_number_of_ranks(debug_args, tmp_path, stage):
     """2 ranks and 1 rank accumulating 2 micro-batches clip by the same global gradient norm, to the fp32 bit:
-    ZeRO-1/2 keep its sum in float64 through the all-reduce (engine/compat.py), as ZeRO-3 does (whose norm stays
+    ZeRO-1/2 keep its sum in float64 through the all-reduce (compat.py), as ZeRO-3 does (whose norm stays
     float64 and may differ in float64's last bit). The Swin's first-step norm differs in its last fp32 bit between
     the two under DeepSpeed's own ZeRO-1/2 norm."""
     args = debug_args + ["--model", "swin-debug", "--zero_stage", stage, "--max_steps", 4, "--eval_every", 0,

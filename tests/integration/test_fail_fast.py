@@ -155,7 +155,7 @@ def test_a_strict_load_error_of_an_older_checkpoint_is_one_line():
     raises it, becomes the same one line."""
     import torch
 
-    from engine.checkpoint import describe_load_error
+    from checkpoints.manager import describe_load_error
 
     small, large = torch.nn.Sequential(torch.nn.Linear(4, 2)), torch.nn.Sequential(torch.nn.Linear(8, 2))
     with pytest.raises(RuntimeError) as e:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import BIN, REPO, ForkedJob, free_port, launch, launcher_command, read_metrics
 
-from engine.preemption import DUPLICATE_WINDOW_S, EXIT_GRACE_EXPIRED, EXIT_PREEMPTED
+from loop.preemption import DUPLICATE_WINDOW_S, EXIT_GRACE_EXPIRED, EXIT_PREEMPTED
 from train import EXIT_COLLECTIVE, EXIT_NONFINITE
 
 
@@ -147,7 +147,7 @@ def test_second_signal_exits_at_once_and_grace_bounds_the_wait(debug_args, tmp_p
 def test_a_line_written_inside_the_profiled_step_survives_an_exit():
     """The CPU's profiled step holds what C++ writes to stderr (to drop the profiler's own lines); a line Python
     writes there (a preemption's or an error's) goes out at once, even when the process ends inside."""
-    code = ("import os, sys\nfrom engine.memory import memory_profiler\nwith memory_profiler():\n"
+    code = ("import os, sys\nfrom loop.peak_memory import memory_profiler\nwith memory_profiler():\n"
             "    print('error: the last line', file=sys.stderr, flush=True)\n    os._exit(4)\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 4 and proc.stderr.strip().splitlines()[-1] == "error: the last line", proc.stderr

@@ -11,8 +11,8 @@ from conftest import free_port, launch, read_metrics, run_entry
 from test_export import logits, same_weights
 
 from config import ConfigError
-from engine.checkpoint import missing_files
-from engine.tensor_parallel import SPLIT, check_tp, tp_config
+from engine.zero_checkpoint import missing_files
+from parallel.tensor import SPLIT, check_tp, tp_config
 from models.registry import model_config
 
 STEPS = ["--max_steps", "10", "--warmup_steps", "2", "--save_every", "5", "--eval_every", "0", "--log_every", "1",
@@ -162,7 +162,7 @@ def test_two_tensor_parallel_ranks_train_as_one_rank(one_rank, debug_args, swin_
 def test_unshard_joins_split_weights_and_checks_replicas():
     """Column shards join along rows, row shards along columns, a replicated tensor is its replicas' value; replicas
     that differ, or shards that are no split of the model's shape, are errors naming the weight."""
-    from engine.tensor_parallel import unshard
+    from parallel.tensor import unshard
 
     w = torch.randn(6, 4)
     assert torch.equal(unshard("q.weight", list(w.chunk(2, 0)), (6, 4)), w)

@@ -1,4 +1,4 @@
-"""engine/timing.py: the timed regions of train.py and the benchmark worker start (and the worker's end) on the
+"""loop/timing.py: the timed regions of train.py and the benchmark worker start (and the worker's end) on the
 device-synchronising clock.
 
 On a GPU a step's kernels and NCCL collectives return before they finish, so a step time read without a
@@ -15,10 +15,10 @@ import time
 import torch
 from conftest import BIN, REPO, free_port
 
-from engine import timing
+from loop import timing
 
 COUNTER = '''
-import json, os, engine.timing as timing
+import json, os, loop.timing as timing
 _sync = timing.synchronize
 def synchronize(device):
     with open(os.environ["SYNC_LOG"], "a") as f:

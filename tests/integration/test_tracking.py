@@ -1,4 +1,4 @@
-"""Experiment tracking (engine/tracking.py) against the real trackers: an MLflow tracking server started here on
+"""Experiment tracking (runlog/tracking.py) against the real trackers: an MLflow tracking server started here on
 loopback (SQLite store, a temporary artifact folder) and W&B in offline mode. A 2-rank run's tracked metrics
 equal its metrics.jsonl; a server killed mid-run costs a warning, not the run, and gets what it missed once it
 answers again; kill -9 and --resume latest continue the same tracked run; a server that is down at the start
@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 from conftest import BIN, REPO, ForkedJob, check_input, free_port, launch, read_metrics
 
-from engine import tracking
+from runlog import tracking
 
 
 class MLflowServer:
@@ -121,7 +121,7 @@ def test_a_tracking_server_down_at_start_is_one_line_and_nothing_written(debug_a
 
 # ---------------------------------------------------------------------------------------------------- sender
 def test_the_sender_holds_back_what_fails_and_sends_it_when_the_server_answers(monkeypatch):
-    """engine/tracking._Sender with a send that fails while `down` is set: one warning, nothing lost, everything
+    """runlog/tracking._Sender with a send that fails while `down` is set: one warning, nothing lost, everything
     sent in order once it answers; at the end what is still unsent is listed, not waited on forever."""
     monkeypatch.setattr(tracking, "RETRY_SECONDS", 0.05)
     lines, sent, down = [], [], [True]

@@ -9,7 +9,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 
 from ac.policies import traced_policy
 from benchmarks.bench_worker import Spec, step_schedule
-from engine import compat
+import compat
 
 
 @pytest.mark.parametrize("profiled,warmup,timed,flops", [(2, 5, 30, True), (1, 0, 1, True), (2, 1, 8, False)])

@@ -1,4 +1,4 @@
-"""engine/compat.py: the DeepSpeed and torch behaviours it relies on, and its version checks.
+"""compat.py: the DeepSpeed and torch behaviours it relies on, and its version checks.
 
 The behaviours that need real DeepSpeed processes are checked where those already run: the shared-memory
 buffer's name and DeepSpeed's process-wide ZeRO-3 linear in tests/ac_equivalence.py (every policy under
@@ -15,7 +15,7 @@ import torch
 from conftest import REPO
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine import compat
+import compat
 
 
 class OpLog(TorchDispatchMode):

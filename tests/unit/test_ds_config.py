@@ -4,7 +4,7 @@ import pytest
 from config import Config, ConfigError
 from engine.ds_config import build_ds_config
 from engine.memory import zero_memory_bytes
-from engine.optim import lr_schedule, param_groups
+from loop.optim import lr_schedule, param_groups
 
 
 def test_auto_fields_come_from_the_run_config():

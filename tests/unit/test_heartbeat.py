@@ -4,7 +4,7 @@ import time
 import torch.distributed as dist
 
 from conftest import free_port
-from engine.distributed import Heartbeat
+from loop.distributed import Heartbeat
 
 
 def test_the_first_step_is_written_at_once_and_later_steps_at_the_next_poll():

@@ -11,7 +11,7 @@ import torch
 from ac.profile import profile_blocks
 from conftest import REPO
 from config import Config
-from engine import compat
+import compat
 from engine.memory import zero_memory_parts
 from models.registry import build_model
 from models.tasks import meta_model
@@ -176,7 +176,7 @@ def test_zeropp_sends_a_quarter_of_zero3s_bytes_between_nodes():
     """Wang et al. 2023: ZeRO-3 moves 3M bytes across nodes per step (two weight gathers, one gradient
     reduce-scatter, in 16-bit); ZeRO++ moves 0.75M (int8 forward gather, backward gather within the node from
     hpZ's secondary partition, int4 gradients). hpZ's secondary partition holds the 16-bit weights over a node."""
-    from planner.estimate import comm_bytes
+    from engine.memory import comm_bytes
 
     n, world, node = 21_758_000_000, 1024, 8
     plain = comm_bytes(n, 3, 1, world, node, 2, {})
@@ -233,12 +233,12 @@ def test_replay_records_the_profiles_work_and_replays_every_operator(name):
 
 
 def test_one_tensor_rank_profiles_its_share_of_the_model():
-    """The planner's model of a tensor rank (engine/tensor_parallel.shard_like_autotp, on the meta device): at
+    """The planner's model of a tensor rank (parallel/tensor.shard_like_autotp, on the meta device): at
     tp_size 2 a rank holds half of each block's six matrices and of the column-split biases and the whole rest
     (rank_params' count), its blocks do half the matmul and attention FLOPs, save less, and their input, what the
     tensor group all-reduces, is whole; Swin's stages split the same way."""
     from ac.profile import profile_model
-    from engine.tensor_parallel import rank_params
+    from parallel.tensor import rank_params
 
     cfg = replace(Config(), model="vit-small", image_size=64, patch_size=8, micro_batch_size=2)
     one, n1, _ = profile_model(cfg, "cpu")
@@ -281,7 +281,7 @@ def test_tensor_parallel_all_reduces_are_charged_per_block():
 def test_fsdp2_sends_its_gathers_and_one_fp32_reduce_scatter():
     """The FSDP2 engine per step: each micro-batch all-gathers the weights in the compute dtype for its forward
     and, resharding, again for its backward; the gradients are reduce-scattered once, in fp32."""
-    from planner.estimate import fsdp2_comm_bytes
+    from engine.memory import fsdp2_comm_bytes
 
     n, world, node = 1_000_000, 16, 8
     share = (world - 1) / world

@@ -9,7 +9,7 @@ from ac.policies import apply_activation_checkpointing, parse_policy
 from ac.profile import PROFILE_BATCH, BlockProfile, profile_blocks
 from config import ConfigError
 from models import build_model, find_blocks
-from engine.memory import allocation_curve, measure_activation_bytes, memory_trace, trace_events
+from loop.peak_memory import allocation_curve, measure_activation_bytes, memory_trace, trace_events
 
 
 @pytest.fixture(scope="module")

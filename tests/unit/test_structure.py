@@ -1,10 +1,11 @@
 """The layout's rules, read from the source: imports go one way and nothing edits sys.path.
 
-The library is `config`, `ac/`, `engine/`, `models/`, `data/`, `planner/` (but `data/make_shards.py`, a script). Entry scripts
-(`train.py`, `plan.py`, `export.py`, `sweep.py`, the scripts under `data/` and `launch/`) and `benchmarks/` use the library;
-the library never imports them, no two library modules import each other (directly or round a longer cycle), and
-a benchmark never imports an entry script. Every import counts, the ones inside functions too. The user's guide
-names the test behind each bitwise claim it makes.
+The library is a stack of rooms, LAYERS, bottom first (docs/architecture.md): a module imports from its own room
+and the rooms below it, never from one above, and no two library modules import each other (directly or round a
+longer cycle). Entry scripts (`train.py`, `plan.py`, `export.py`, `sweep.py`, the scripts under `data/` and
+`launch/`) and `benchmarks/` use the library; the library never imports them, and a benchmark never imports an
+entry script. Every import counts, the ones inside functions too. The user's guide names the test behind each
+bitwise claim it makes.
 """
 import ast
 import glob
@@ -13,7 +14,21 @@ import re
 
 from conftest import REPO
 
-LIBRARY = ("config", "ac", "engine", "models", "data", "planner")
+# the rooms, bottom first: each may import its own and those before it
+LAYERS = (
+    ("compat", "config"),  # private torch/DeepSpeed/transformers APIs, version-checked; every config key
+    ("data",),  # shards, loaders, transforms
+    ("models",),  # the registry, blocks, task heads
+    ("parallel",),  # how a model splits across ranks (tensor parallelism)
+    ("ac",),  # activation checkpointing: profile, policies, budget
+    ("loop",),  # the loop's helpers: process group, optimizer, EMA, intervals, preemption, evaluation, timing
+    ("runlog",),  # metrics.jsonl, TensorBoard, trackers, figures
+    ("engine",),  # the Engine interface, its adapters and the one wrapping function
+    ("checkpoints",),  # atomic checkpoints, resume, the Hugging Face export
+    ("planner",),  # memory and step time of a configuration on a cluster
+    ("launch",),  # one launcher of train.py
+)
+LIBRARY = tuple(room for layer in LAYERS for room in layer)
 SCRIPTS = {"data.make_shards", "launch.slurm_env"}  # command-line scripts that live beside library code
 ENTRY = {"train", "plan", "export", "sweep"}
 
@@ -63,9 +78,9 @@ GRAPH = {m: imported(p) for m, p in MODULES.items()}
 def test_the_rules_see_the_repository():
     """The test reads what it means to: the library's modules, the entry scripts and the benchmarks are all found,
     and the edges it checks exist (the trainer imports the library)."""
-    assert {"config", "engine.parallelize", "models.registry", "data.loader", "train", "plan",
+    assert {"config", "engine.build", "models.registry", "data.loader", "train", "plan",
             "benchmarks.train_bench"} <= set(MODULES)
-    assert {"config", "engine.parallelize", "data.loader"} <= GRAPH["train"]
+    assert {"config", "engine.build", "data.loader"} <= GRAPH["train"]
 
 
 def test_the_library_never_imports_entry_scripts_benchmarks_or_tests():
@@ -111,6 +126,32 @@ def library_cycles() -> list:
         if v not in index:
             visit(v)
     return found
+
+
+def layer(module: str) -> int:
+    return next(i for i, rooms in enumerate(LAYERS) if module.split(".")[0] in rooms)
+
+
+def upward_imports(graph: dict) -> list[str]:
+    """Every import by a library module of a module in a room above its own."""
+    return [f"{m} ({LAYERS[layer(m)][0]}) imports {d} ({LAYERS[layer(d)][0]})" for m, deps in sorted(graph.items())
+            if kind(m) == "library" for d in sorted(deps) if kind(d) == "library" and layer(d) > layer(m)]
+
+
+def test_imports_only_point_down_the_layers():
+    assert not upward_imports(GRAPH), "\n".join(upward_imports(GRAPH))
+
+
+def test_an_upward_import_is_found():
+    """The layer check is not vacuous: a planted import of the engines by the models is reported."""
+    planted = {**GRAPH, "models.registry": GRAPH["models.registry"] | {"engine.parallelize"}}
+    assert upward_imports(planted) == ["models.registry (models) imports engine.parallelize (engine)"]
+
+
+def test_every_library_room_is_in_a_layer():
+    rooms = {m.split(".")[0] for m in MODULES if "." in m and kind(m) not in ("entry", "tests", "benchmarks")}
+    rooms -= {"tests", "benchmarks", "docs", "configs"}
+    assert rooms <= set(LIBRARY), rooms - set(LIBRARY)
 
 
 def test_no_library_modules_import_each_other():

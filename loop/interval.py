@@ -70,6 +70,6 @@ class Interval:
 @dataclass
 class Closed:
     records: list  # the interval's StepRecords, with loss_sum, skipped and padded summed over ranks, grad_norm read
-    preempted: bool  # a rank was asked to stop (engine/preemption.py)
+    preempted: bool  # a rank was asked to stop (loop/preemption.py)
     seconds: float  # the interval's, on this rank's clock, once the device had finished it
     step_seconds: float  # the mean over ranks of the host's seconds per step: the same value on every rank

@@ -14,7 +14,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from engine import compat
+import compat
 
 EMA_DIR = "ema"
 
@@ -37,7 +37,7 @@ class EMA:
     def swapped(self, engine):
         """The model holds the averaged weights inside, its own weights again (bitwise) after. Every rank enters."""
         live = {}
-        with torch.no_grad(), compat.writing_zero3_partitions(engine):
+        with torch.no_grad(), engine.writing_local_weights():
             for name, p in self.params.items():
                 local = compat.local_weights(p)[0]
                 live[name] = local.clone()
@@ -45,7 +45,7 @@ class EMA:
         try:
             yield
         finally:
-            with torch.no_grad(), compat.writing_zero3_partitions(engine):
+            with torch.no_grad(), engine.writing_local_weights():
                 for name, p in self.params.items():
                     compat.local_weights(p)[0].copy_(live[name])
 
@@ -94,3 +94,19 @@ class EMA:
             lo, hi = max(start, at), min(end, at + piece.numel())
             if lo < hi:
                 out[lo - start:hi - start] = piece[lo - at:hi - at]
+
+
+def read_ema(folder: str, shapes: dict) -> dict:
+    """{name: the EMA's whole fp32 tensor} from a checkpoint's `ema/` files, written by any number of ranks under
+    any engine, for the weights `shapes` names ({name: anything with .shape}) that the EMA holds; one process, no
+    process group (export.py --ema)."""
+    files = [torch.load(os.path.join(folder, f), mmap=True, weights_only=True)["pieces"]
+             for f in sorted(os.listdir(folder)) if f.endswith(".pt")]
+    held = set().union(*(pieces.keys() for pieces in files)) if files else set()
+    out = {}
+    for name in held & set(shapes):
+        whole = torch.empty(shapes[name].shape, dtype=torch.float32)
+        EMA._gather(files, name, whole.view(-1), 0)
+        out[name] = whole
+    return out
+

@@ -1,43 +1,37 @@
 """Checkpoints: saving them atomically, keeping a few, finding the one to resume, resharding it if needed.
 
-A checkpoint is DeepSpeed's directory `checkpoints/step<N>/` plus `train_state.json`: the step, the world size
-and ZeRO stage that wrote it, its validation top-1 if the step was evaluated, and the data position of every
-data stream. Every rank writes into `step<N>.partial/`; once DeepSpeed's closing barrier says all files are
-complete, global rank 0 adds `train_state.json`, renames the directory to `step<N>` and moves `latest`. So a
+A checkpoint is the engine's directory `checkpoints/step<N>/` (its layout is the engine's checkpoint format:
+engine/zero_checkpoint.py, engine/dcp_checkpoint.py) plus `train_state.json`: the step, the engine, world size and
+ZeRO stage that wrote it, its validation score if the step was evaluated, the data position of every data stream
+and every file's size. Every rank writes into `step<N>.partial/`; once the engine's closing barrier says all files
+are complete, global rank 0 adds `train_state.json`, renames the directory to `step<N>` and moves `latest`. So a
 checkpoint is complete exactly when `step<N>/` exists, a crash at any moment leaves at worst a `.partial`
-directory (removed at the next start), and a resumed run takes the newest complete one.
-
-A checkpoint written by another number of ranks is converted once to DeepSpeed's universal format
-(`python -m deepspeed.checkpoint.ds_to_universal`) into `<tag>_universal/` beside it, and loaded with
-`"checkpoint": {"load_universal": true}`. The original is only read.
+directory (removed at the next start), and a resumed run takes the newest complete one. A checkpoint written by
+another number of ranks is converted first where the engine's format needs it (DeepSpeed's universal format).
 """
 import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 from dataclasses import dataclass
 
 from config import Config, ConfigError
-from engine import compat
-from engine.distributed import is_comm_error
-from engine.fsdp2 import FSDP2Engine, checkpoint_files_missing
-from engine.tensor_parallel import layout
+from engine.base import STATE_FILE, CheckpointFormat
+from engine.registry import engine_class, written_by
+from loop.distributed import is_comm_error
 
-STATE_FILE = "train_state.json"
-UNIVERSAL_SUFFIX = "_universal"
 PARTIAL_SUFFIX = ".partial"
 STEP_TAG = re.compile(r"^step(\d+)$")
 
 
 @dataclass
 class Resume:
-    load_dir: str  # DeepSpeed's checkpoints directory
+    load_dir: str  # the checkpoints directory
     tag: str  # the checkpoint written by training
     state: dict | None  # train_state.json, None for a checkpoint without one
-    universal: bool  # written by another world size: load `<tag>_universal`
+    reshard: bool  # written by another world size, and the engine's format converts it first (`convert`)
     note: str = ""  # a warning for the user: `latest` named a checkpoint that is not there
+    format: CheckpointFormat | None = None  # the engine's
 
     @property
     def path(self) -> str:
@@ -45,11 +39,11 @@ class Resume:
 
     @property
     def load_tag(self) -> str:
-        return self.tag + UNIVERSAL_SUFFIX if self.universal else self.tag
+        return self.format.load_tag(self.tag, self.reshard) if self.format else self.tag
 
-    def convert_command(self) -> str:
-        return (f"python -m deepspeed.checkpoint.ds_to_universal --input_folder {self.path} "
-                f"--output_folder {self.path}{UNIVERSAL_SUFFIX} --inject_missing_state")
+    def convert(self, world_size: int, log=print):
+        """The engine's conversion for another number of ranks (run on one rank)."""
+        self.format.convert(self.path, self.state, world_size, log)
 
 
 def find_resume(cfg: Config, world_size: int) -> Resume | None:
@@ -88,42 +82,19 @@ def find_resume(cfg: Config, world_size: int) -> Resume | None:
         state = json.load(open(state_file)) if os.path.isfile(state_file) else None
     except json.JSONDecodeError as e:
         raise ConfigError(f"resume: {state_file} is not valid JSON ({e})") from None
-    if state is None:  # written elsewhere: DeepSpeed checks its own files when it loads them
-        return Resume(load_dir, tag, None, False, note.rstrip("\n"))
+    fmt = engine_class(cfg.engine).checkpoint_format
+    if state is None:  # written elsewhere: the engine checks its own files when it loads them
+        return Resume(load_dir, tag, None, False, note.rstrip("\n"), fmt)
     if why := damaged(path, state):
         raise ConfigError(f"resume: checkpoint {path} is damaged ({why}); resume another one, or --resume latest "
                           f"to take the newest whose files are whole")
     note = note.rstrip("\n")
-    written_by = state.get("engine", "deepspeed")
-    if written_by != cfg.engine:
-        raise ConfigError(f"resume: checkpoint {path} was written by engine {written_by} and this run uses "
-                          f"{cfg.engine}; resume it with --engine {written_by} (export.py turns either into a "
+    writer = written_by(state).name
+    if writer != cfg.engine:
+        raise ConfigError(f"resume: checkpoint {path} was written by engine {writer} and this run uses "
+                          f"{cfg.engine}; resume it with --engine {writer} (export.py turns any of them into a "
                           f"Hugging Face model, which `model:` then loads under any engine)")
-    if cfg.engine == "fsdp2":  # DCP reshards onto any number of ranks; zero_stage changes no file
-        missing = checkpoint_files_missing(path, state["world_size"])
-        if missing:
-            raise ConfigError(f"resume: checkpoint {path} is incomplete: {len(missing)} of the files its "
-                              f"{state['world_size']} ranks wrote are missing ({', '.join(missing[:4])}"
-                              f"{', ...' if len(missing) > 4 else ''})")
-        return Resume(load_dir, tag, state, False, note)
-    if state["zero_stage"] != cfg.zero_stage:
-        raise ConfigError(f"resume: checkpoint {path} was written under ZeRO-{state['zero_stage']} and this run uses "
-                          f"ZeRO-{cfg.zero_stage}; resume it with --zero_stage {state['zero_stage']}")
-    tp_size = state.get("tp_size", 1)
-    if tp_size != cfg.tp_size:
-        raise ConfigError(f"resume: checkpoint {path} was written with tp_size {tp_size} and this run uses tp_size "
-                          f"{cfg.tp_size}: this trainer reshards ZeRO's partitions (through DeepSpeed's universal "
-                          f"checkpoint), not a tensor-parallel split; resume it with --tp_size {tp_size}")
-    if tp_size > 1 and state["world_size"] != world_size:
-        raise ConfigError(f"resume: checkpoint {path} was written by {state['world_size']} ranks with tp_size "
-                          f"{tp_size} and this run has {world_size}: this trainer reshards ZeRO's partitions only "
-                          f"without tensor parallelism; resume it on {state['world_size']} ranks")
-    missing = missing_files(path, state["world_size"], state["zero_stage"], tp_size)
-    if missing:
-        raise ConfigError(f"resume: checkpoint {path} is incomplete: {len(missing)} of the files its "
-                          f"{state['world_size']} ranks wrote are missing ({', '.join(missing[:4])}"
-                          f"{', ...' if len(missing) > 4 else ''})")
-    return Resume(load_dir, tag, state, state["world_size"] != world_size, note)
+    return Resume(load_dir, tag, state, fmt.check(path, state, cfg, world_size), note, fmt)
 
 
 _SIZE_MISMATCH = re.compile(r"size mismatch for ([\w.]+): copying a param with shape torch\.Size\(\[([\d, ]*)\]\) "
@@ -270,30 +241,26 @@ def save(engine, ckpt_dir: str, step: int, state: dict, *, keep_last: int, keep_
         log(f"warning: checkpoint {tag} not written: {verdict[0]}; training goes on")
         return False
     partial = os.path.join(ckpt_dir, tag + PARTIAL_SUFFIX)
-    # DeepSpeed's last act is a barrier: when it returns on rank 0, every rank's files are complete. A rank whose
+    # the engine's save ends in a barrier: when it returns on rank 0, every rank's files are complete. A rank whose
     # write fails (a full disk, a lost mount) joins the collectives that follow the writes itself.
     failure = ""
-    background = not wait and getattr(engine, "async_save", False)
+    background = not wait and engine.async_save
     try:
         if background:
             engine.start_checkpoint(ckpt_dir, tag=tag + PARTIAL_SUFFIX, client_state={"step": step})
         else:
-            engine.save_checkpoint(ckpt_dir, tag=tag + PARTIAL_SUFFIX, client_state={"step": step}, save_latest=False)
+            engine.save_checkpoint(ckpt_dir, tag=tag + PARTIAL_SUFFIX, client_state={"step": step})
     except (OSError, RuntimeError) as e:
         if is_comm_error(e):
             raise
         failure = write_failure(e, ckpt_dir)
-        if isinstance(engine, FSDP2Engine):
-            if not background:
-                dist.barrier()  # the closing barrier the other ranks' save_checkpoint waits in
-        else:
-            compat.close_failed_save(engine)
+        engine.close_failed_save(background)  # what the other ranks' writes still wait for
     if also and not failure:  # the gather of every rank's outcome below waits for these files too
         try:
             also(partial)
         except OSError as e:
             failure = write_failure(e, ckpt_dir)
-    done = (ckpt_dir, tag, state, keep_last, keep_best)
+    done = (ckpt_dir, tag, state, keep_last, keep_best, type(engine).checkpoint_format)
     if background:
         engine.pending = (*done, failure)
         return True
@@ -303,7 +270,7 @@ def save(engine, ckpt_dir: str, step: int, state: dict, *, keep_last: int, keep_
 def commit_pending(engine, log=print) -> bool | None:
     """Wait for the checkpoint an engine is writing in the background and commit it (every rank calls it); its
     outcome, or None when none is in flight."""
-    pending = getattr(engine, "pending", None)
+    pending = engine.pending
     if pending is None:
         return None
     engine.pending = None
@@ -316,7 +283,8 @@ def commit_pending(engine, log=print) -> bool | None:
     return commit(*done, failure, log)
 
 
-def commit(ckpt_dir: str, tag: str, state: dict, keep_last: int, keep_best: bool, failure: str, log=print) -> bool:
+def commit(ckpt_dir: str, tag: str, state: dict, keep_last: int, keep_best: bool, fmt: CheckpointFormat, failure: str,
+           log=print) -> bool:
     """Every rank's outcome gathered; when all wrote their files, rank 0 commits the checkpoint (finish) and prunes
     the old ones, else the partial files are removed and training goes on."""
     import torch.distributed as dist
@@ -340,7 +308,7 @@ def commit(ckpt_dir: str, tag: str, state: dict, keep_last: int, keep_best: bool
                 f"the newest complete checkpoint stays the one to resume, training goes on")
         return False
     if rank == 0:
-        prune(ckpt_dir, keep_last, keep_best, log)
+        prune(ckpt_dir, keep_last, keep_best, log, fmt)
     dist.barrier()
     return True
 
@@ -374,7 +342,7 @@ def write_failure(e: Exception, ckpt_dir: str) -> str:
     return f"{what} ({free} on {ckpt_dir})"
 
 
-def prune(ckpt_dir: str, keep_last: int, keep_best: bool, log=print):
+def prune(ckpt_dir: str, keep_last: int, keep_best: bool, log=print, fmt: CheckpointFormat | None = None):
     """Delete complete checkpoints beyond the newest `keep_last` (0: keep all), sparing the best by its evaluation's
     score (train_state.json's val_score: val top-1, or minus the val loss; val_top1 in older checkpoints)."""
     complete = complete_checkpoints(ckpt_dir)
@@ -390,51 +358,6 @@ def prune(ckpt_dir: str, keep_last: int, keep_best: bool, log=print):
     for _, tag in complete:
         if tag not in keep:
             shutil.rmtree(os.path.join(ckpt_dir, tag), ignore_errors=True)
-            shutil.rmtree(os.path.join(ckpt_dir, tag + UNIVERSAL_SUFFIX), ignore_errors=True)
+            if fmt:
+                fmt.remove_derived(os.path.join(ckpt_dir, tag))
             log(f"checkpoint: removed {tag} (keep_last {keep_last}{', keep_best' if keep_best else ''})")
-
-
-def missing_files(path: str, world_size: int, stage: int, tp_size: int = 1) -> list[str]:
-    """The DeepSpeed files a checkpoint of `world_size` ranks at ZeRO `stage` and `tp_size` holds that are not in
-    `path`: each rank's optimizer partition (and under ZeRO-3 its weights), named by its data-parallel rank and its
-    rank in the tensor group; below ZeRO-3 the weights once per tensor rank."""
-    missing = []
-    names = os.listdir(path)
-    for r in range(world_size):
-        dp, tp = layout(r, tp_size)
-        optim = f"zero_pp_rank_{dp}_mp_rank_{tp:02d}_optim_states.pt"  # bf16_ prefixed under bf16 with ZeRO-1/2
-        if optim not in names and f"bf16_{optim}" not in names:
-            missing.append(optim)
-        if stage == 3 and f"zero_pp_rank_{dp}_mp_rank_{tp:02d}_model_states.pt" not in names:
-            missing.append(f"zero_pp_rank_{dp}_mp_rank_{tp:02d}_model_states.pt")
-    for tp in range(tp_size if stage < 3 else 0):
-        if f"mp_rank_{tp:02d}_model_states.pt" not in names:
-            missing.append(f"mp_rank_{tp:02d}_model_states.pt")
-    return missing
-
-
-def to_universal(resume: Resume, world_size: int, log=print):
-    """Write `<tag>_universal` beside the checkpoint unless it is there already (run on one rank). The conversion
-    goes to a temporary directory renamed at the end, so an interrupted one is never taken for a finished one."""
-    out = resume.path + UNIVERSAL_SUFFIX
-    if os.path.isdir(out):
-        log(f"resume: {resume.state['world_size']} -> {world_size} ranks: loading the universal checkpoint {out}")
-        return
-    log(f"resume: checkpoint written by {resume.state['world_size']} ranks, this run has {world_size}: converting it "
-        f"to DeepSpeed's universal format in {out} (the original is not modified; the same by hand: "
-        f"{resume.convert_command()})")
-    tmp = out + ".partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                           resume.path, "--output_folder", tmp, "--num_extract_workers", "1",
-                           "--num_merge_workers", "1", "--inject_missing_state"], capture_output=True, text=True)
-    if proc.returncode != 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ConfigError(f"resume: converting {resume.path} to the universal format failed:\n"
-                          f"{(proc.stdout + proc.stderr)[-3000:]}")
-    shutil.copy2(os.path.join(resume.path, STATE_FILE), tmp)
-    os.rename(tmp, out)
-    with open(os.path.join(resume.load_dir, "latest_universal"), "w") as f:  # ds_to_universal named the tmp dir
-        f.write(os.path.basename(out))
-
-

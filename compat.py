@@ -43,7 +43,7 @@ def installed_version(package: str) -> str:
 def import_deepspeed():
     """`import deepspeed`, without letting DeepSpeed's autotuner import mlflow: it does when mlflow is installed
     (requirements.txt has it, for report_to), to log autotuning experiments this trainer never runs, and that
-    import costs every process ~1.6 s at its start. mlflow is importable again afterwards (engine/tracking.py)."""
+    import costs every process ~1.6 s at its start. mlflow is importable again afterwards (runlog/tracking.py)."""
     if "deepspeed" not in sys.modules and "mlflow" not in sys.modules:
         sys.modules["mlflow"] = None  # `import mlflow` raises ImportError: the autotuner's has_mlflow is False
         try:
@@ -74,7 +74,7 @@ def _require(package: str, function: str):
     version = installed_version(package)
     low, high = SUPPORTED[package]
     if not low <= series(version) <= high:
-        raise CompatError(f"engine/compat.py:{function} relies on {package} {supported_range(package)} internals and "
+        raise CompatError(f"compat.py:{function} relies on {package} {supported_range(package)} internals and "
                           f"the installed {package} is {version}: run tests/unit/test_compat.py under it, adapt {function}, "
                           f"then widen SUPPORTED")
 
@@ -121,7 +121,7 @@ def autotp_sees_one_head_count(model: torch.nn.Module):
     AutoTP reads one head count from the model's config (deepspeed/module_inject/tp_shard.py, AutoTPMeta) to align
     its shards with heads, and a Swin config holds a list, one per stage, which it cannot compare with tp_size.
     Without a count AutoTP splits each linear layer into equal parts, which fall on head boundaries when tp_size
-    divides every stage's heads (engine/tensor_parallel.py checks that first).
+    divides every stage's heads (parallel/tensor.py checks that first).
     """
     _require("deepspeed", "autotp_sees_one_head_count")
     import copy
@@ -471,7 +471,7 @@ def zero12_grad_norm_in_float64(engine) -> bool:
 
 
 # ----------------------------------------------------------------------------- checkpoints
-# hyperparameters that differ between this project's parameter groups (engine/optim.py)
+# hyperparameters that differ between this project's parameter groups (loop/optim.py)
 GROUP_HYPERPARAMETERS = ("weight_decay",)
 
 
@@ -645,8 +645,8 @@ def build_cpu_ops() -> list:
     return built
 
 
-if __name__ == "__main__":  # python -m engine.compat build_cpu_ops (the Makefile's set-up)
+if __name__ == "__main__":  # python -m compat build_cpu_ops (the Makefile's set-up)
     if sys.argv[1:] != ["build_cpu_ops"]:
-        raise SystemExit("usage: python -m engine.compat build_cpu_ops")
+        raise SystemExit("usage: python -m compat build_cpu_ops")
     print("DeepSpeed CPU ops ready in", os.environ.get("TORCH_EXTENSIONS_DIR", "torch's default folder") + ":",
           ", ".join(build_cpu_ops()) or "none (a GPU machine)")

@@ -21,7 +21,7 @@ import re
 import torch
 
 from config import ConfigError
-from engine import compat
+import compat
 from models.blocks import find_blocks
 
 # the linear layers of a block, in the order a ViT or Swin block registers them, and how each is split

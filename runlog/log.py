@@ -1,6 +1,6 @@
-"""What a run records, in one object: the run directory's files (config.yaml, ds_config.json, ac_plan.json,
-hf_config/), metrics.jsonl, the trackers `report_to` names (TensorBoard's scalars, text and pictures; MLflow's
-and W&B's runs: engine/tracking.py), the progress bar and summary.json.
+"""What a run records, in one object: the run directory's files (config.yaml, the engine's config: ds_config.json,
+fsdp2_config.json or ddp_config.json; ac_plan.json, hf_config/), metrics.jsonl, the trackers `report_to` names (TensorBoard's scalars, text and pictures; MLflow's
+and W&B's runs: runlog/tracking.py), the progress bar and summary.json.
 
 Rank 0 writes; on every other rank each method does nothing, so the training loop calls them unconditionally.
 """
@@ -12,7 +12,8 @@ import sys
 import yaml
 
 from config import Config, to_dict
-from engine import compat, tracking
+import compat
+from runlog import tracking
 
 
 def _record_step(line: str) -> float:
@@ -24,10 +25,11 @@ def _record_step(line: str) -> float:
 
 
 class RunLog:
-    def __init__(self, cfg: Config, rank: int, start_step: int, ds_config: dict, ac_plan: dict, module, processor,
-                 flush_logs: list, tags: dict):
+    def __init__(self, cfg: Config, rank: int, start_step: int, engine_config: tuple[str, dict], ac_plan: dict, module,
+                 processor, flush_logs: list, tags: dict):
         """Writes the run's description into `cfg.output_dir` and opens its logs, continuing them at `start_step`
-        (records past it, from a run that went further before it was resumed, are dropped). The logs' flushes
+        (records past it, from a run that went further before it was resumed, are dropped). `engine_config`: (its
+        file name, the engine's resolved config). The logs' flushes
         join `flush_logs`, which a failing rank runs before it exits. `tags`: what the trackers file the run
         under (engine, world size, commit...)."""
         from tqdm import tqdm
@@ -43,8 +45,9 @@ class RunLog:
         out = cfg.output_dir
         with open(os.path.join(out, "config.yaml"), "w") as f:
             yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
-        with open(os.path.join(out, "ds_config.json" if cfg.engine == "deepspeed" else "fsdp2_config.json"), "w") as f:
-            json.dump(ds_config, f, indent=2)
+        config_file, config = engine_config
+        with open(os.path.join(out, config_file), "w") as f:
+            json.dump(config, f, indent=2)
         with open(os.path.join(out, "ac_plan.json"), "w") as f:
             json.dump(ac_plan, f, indent=1)
         module.config.architectures = [compat.model_class(module).__name__]  # as save_pretrained records it
@@ -70,9 +73,8 @@ class RunLog:
         self.trackers = tracking.open_trackers(cfg, bool(cfg.resume), params, tags, self.warn,
                                                [json.loads(line) for line in kept])
         flush_logs.append(lambda: self.close_trackers("FAILED", seconds=5.0))  # a failing rank's run says so
-        self._files([os.path.join(out, name) for name in ("config.yaml", "ds_config.json", "fsdp2_config.json",
-                                                           "ac_plan.json")])
-        from engine import figures  # matplotlib: on the writing rank only
+        self._files([os.path.join(out, name) for name in ("config.yaml", config_file, "ac_plan.json")])
+        from runlog import figures  # matplotlib: on the writing rank only
 
         self._figure("ac/plan", figures.ac_plan(ac_plan), start_step)
 
@@ -118,7 +120,7 @@ class RunLog:
             f" | EMA {ema_result.describe()}" if ema_result else ""))
         if self.tb is None and not self.trackers:  # report_to none: no picture is drawn
             return
-        from engine import figures
+        from runlog import figures
 
         if result.shown is not None and self.cfg.task == "segmentation":
             from data.loader import IGNORE_INDEX

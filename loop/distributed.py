@@ -14,8 +14,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from engine import compat
-from engine.compat import quiet_deepspeed_deprecations, release_deepspeed_shm
+import compat
+from compat import quiet_deepspeed_deprecations, release_deepspeed_shm
 
 DEFAULT_TIMEOUT_S = 1800  # torch's own default for gloo and NCCL
 STORE_TIMEOUT_S = 5  # the watchdog's and a failing rank's wait for the store
@@ -180,7 +180,7 @@ class Heartbeat:
     POLL_S = 1.0
 
     def __init__(self, rank: int, world_size: int, timeout_s: float, exit_code: int):
-        from engine.compat import default_store
+        from compat import default_store
 
         self.store, self.rank, self.world_size = default_store(), rank, world_size
         self.what, self.since = "starting", time.monotonic()

@@ -6,7 +6,7 @@ import math
 import torch
 
 from config import Config, ConfigError
-from engine import compat
+import compat
 from models.blocks import find_blocks
 from models.registry import HEAD
 
