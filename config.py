@@ -7,7 +7,9 @@ The defaults are the main job: a small ViT on the bundled digits shards.
 """
 import dataclasses
 import os
+import re
 import sys
+import textwrap
 from dataclasses import dataclass
 
 import yaml
@@ -32,8 +34,9 @@ class Config:
     freeze: str = ""  # parameters not trained: "backbone" (all but the classifier: a linear probe) or comma-separated name patterns (fnmatch)
     layer_decay: float = 1.0  # layer-wise lr decay: of L blocks, block i trains at lr x layer_decay^(L+1-i), the head at lr (BEiT/MAE: 0.65-0.75)
     # data
-    train_shards: str = "data/digits/train-{000000..000003}.tar"  # WebDataset shard spec (brace pattern)
-    val_shards: str = "data/digits/val-000000.tar"  # WebDataset shard spec for evaluation
+    train_shards: str = "data/digits/train-{000000..000003}.tar"  # the training shards: a directory written by data/make_shards.py (every train shard its _info.json lists), or a WebDataset spec (brace pattern, glob, http(s)://, pipe:; " + " joins sources)
+    val_shards: str = "data/digits/val-000000.tar"  # the evaluation shards, as train_shards (a directory: its val split)
+    strict_data: bool = False  # a shard spec that covers fewer shards than its _info.json lists for the split is an error, not a warning
     data_mode: str = "epoch"  # epoch: each sample once per epoch | resampled: shards drawn with replacement (many nodes) | synthetic: random images, no shards read (measuring the step; data/synthetic.py)
     num_workers: int = 1  # DataLoader worker processes per rank for training data
     data_streams: int = 0  # virtual streams the data order is cut into; 0 = ranks x grad_accum_steps x num_workers (docs/data.md)
@@ -71,7 +74,9 @@ class Config:
     grad_clip: float = 1.0  # clip the global gradient norm to this; 0 = off
     label_smoothing: float = 0.1  # cross-entropy label smoothing (DeiT's 0.1)
     warmup_steps: int = 50  # linear warm-up from 0 to lr, in optimizer steps
+    warmup_epochs: float = 0.0  # the warm-up in epochs instead (0 = warmup_steps); steps = epochs x train samples / global batch
     max_steps: int = 900  # optimizer steps in the whole run (also the length of the cosine schedule)
+    epochs: float = 0.0  # the run's length in passes over the train shards instead of max_steps (0 = max_steps); needs their _info.json sample counts
     # evaluation, logging, checkpoints
     eval_every: int = 300  # evaluate every N optimizer steps (and always at the end); 0 = only at the end
     save_every: int = 300  # DeepSpeed checkpoint every N optimizer steps (and at the end); 0 = only at the end
@@ -95,6 +100,9 @@ class Config:
 
 
 TRACKERS = ("tensorboard", "mlflow", "wandb")  # report_to's names (runlog/tracking.py)
+# lengths given in steps or in epochs: one of each pair; epochs are turned into steps once the train shards'
+# sample counts are known (train.py's check_run)
+UNITS = (("max_steps", "epochs"), ("warmup_steps", "warmup_epochs"))
 KEYS = {f.name: f for f in dataclasses.fields(Config)}
 CHOICES = {"task": ("classification", "mae", "simmim", "segmentation"), "optimizer": ("adamw", "muon"), "zero_stage": (1, 2, 3), "precision": ("fp32", "bf16", "fp16", "auto"), "data_mode": ("epoch", "resampled", "synthetic")}
 
@@ -176,9 +184,24 @@ def parse(argv=None) -> Config:
     for key, value in pairs:
         _set(cfg, key, value, from_cli=True, where="the command line")
         given[key] = "the command line"
+    _one_unit(cfg, given)
     _accelerate(cfg, given, os.environ)
     _check(cfg)
     return cfg
+
+
+def _one_unit(cfg: Config, given: dict):
+    """A length in epochs wins over the same length in steps, unless the steps come from a later source (the
+    command line over the recipe: `--max_steps 2` shortens an epochs recipe); both on the command line is an
+    error."""
+    for steps, epochs in UNITS:
+        if not getattr(cfg, epochs):
+            continue
+        if given.get(steps) == given.get(epochs) == "the command line":
+            what = "the run's length" if steps == "max_steps" else "the warm-up"
+            raise ConfigError(f"--{steps} and --{epochs} both set {what}: give one")
+        if given.get(steps) == "the command line":
+            setattr(cfg, epochs, 0.0)
 
 
 def _accelerate(cfg: Config, given: dict, env):
@@ -269,7 +292,7 @@ def _check(cfg: Config):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"config key '{key}' must be positive, got {getattr(cfg, key)}")
     for key in ("patch_size", "num_workers", "data_streams", "warmup_steps", "eval_every", "save_every", "grad_clip",
-                "weight_decay", "randaug_n", "mixup", "cutmix", "keep_last", "min_free_gb"):
+                "weight_decay", "randaug_n", "mixup", "cutmix", "keep_last", "min_free_gb", "epochs", "warmup_epochs"):
         if getattr(cfg, key) < 0:
             raise ConfigError(f"config key '{key}' must be >= 0, got {getattr(cfg, key)}")
     if not 0 < cfg.crop_scale_min <= 1 or not 0 <= cfg.hflip <= 1 or not 0 <= cfg.randaug_m <= 10:
@@ -322,3 +345,54 @@ def _check_report_to(value: str):
 
 def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
+
+
+# ---------------------------------------------------------------------------------------------------- the keys' docs
+def key_docs() -> list[tuple[str, str, str, object, str]]:
+    """(group, key, type, default, meaning) of every key in definition order: the groups are the comment lines of
+    Config's body, the meanings each key's own comment. The one source of `train.py --help` and
+    docs/configuration.md's key tables."""
+    import inspect
+
+    group, comments = "", {}
+    for line in inspect.getsource(Config).splitlines():
+        if re.fullmatch(r"    # .*", line):
+            group = line.strip()[2:]
+        elif m := re.match(r"    (\w+): \w+ = .*?  # (.*)$", line):
+            comments[m.group(1)] = (group, m.group(2))
+    fields = dataclasses.fields(Config)
+    missing = [f.name for f in fields if f.name not in comments]
+    if missing:
+        raise RuntimeError(f"config keys without a comment: {', '.join(missing)}")
+    return [(comments[f.name][0], f.name, f.type if isinstance(f.type, str) else f.type.__name__, f.default,
+             comments[f.name][1]) for f in fields]
+
+
+def help_text(width: int = 110) -> str:
+    """train.py --help: every key by group, with its type, default and meaning."""
+    lines = ["usage: train.py [--config RECIPE.yaml] [--KEY VALUE ...]", "",
+             "Every key can be set in a YAML recipe (--config) and on the command line (--key value), which wins.",
+             "Launch with deepspeed, torchrun or accelerate launch for several ranks (README.md).", ""]
+    group = None
+    for g, key, typ, default, meaning in key_docs():
+        if g != group:
+            lines += ["" if group else None, f"{g}:"]
+            lines = [x for x in lines if x is not None]
+            group = g
+        shown = f'"{default}"' if typ == "str" else str(default).lower() if typ == "bool" else default
+        lines.append(f"  --{key} {typ.upper()}  (default {shown})")
+        lines += textwrap.wrap(meaning, width - 6, initial_indent="      ", subsequent_indent="      ")
+    return "\n".join(lines) + "\n"
+
+
+def keys_markdown() -> str:
+    """docs/configuration.md's tables of every key, one per group."""
+    out, group = [], None
+    for g, key, typ, default, meaning in key_docs():
+        if g != group:
+            out += ["", f"**{g}**", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+            group = g
+        shown = f'`"{default}"`' if typ == "str" else f"`{str(default).lower() if typ == 'bool' else default}`"
+        out.append(f"| `{key}` | {typ} | {shown} | {meaning.replace('|', '&#124;')} |")
+    return "\n".join(out[1:]) + "\n"
+

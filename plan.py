@@ -43,6 +43,9 @@ def cluster_args(argv):
                         help="tensor-parallel sizes a search tries, comma-separated (default: tp_size if the "
                              "configuration sets it above 1, else every power of two the model and nodes allow)")
     parser.add_argument("--top", type=int, default=10, help="configurations listed by a search")
+    parser.add_argument("--allow_quantized", action="store_true",
+                        help="let a search pick a configuration that changes the arithmetic (ZeRO++'s int8 weights "
+                             "and int4 gradients, ZeRO-Offload's CPU Adam); listed either way, marked *")
     parser.add_argument("--out", help="write the best configuration here: config.yaml, ds_config.json, launch.sh")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--picture", metavar="PNG", help="draw the per-rank memory breakdown of the listed configurations")
@@ -155,11 +158,9 @@ def tp_candidates(text: str):
     return sizes
 
 
-def by_tp_size(found: list) -> str:
-    """The fastest configuration of each tensor-parallel size searched, against the fastest without it."""
-    best = {}
-    for e in found:  # fastest first
-        best.setdefault(e["tp_size"], e)
+def by_tp_size(found: list, allow_quantized: bool = False) -> str:
+    """The pick (`pick`) of each tensor-parallel size searched, against the one without it."""
+    best = {tp: pick([e for e in found if e["tp_size"] == tp], allow_quantized) for tp in {e["tp_size"] for e in found}}
     if len(best) < 2:
         return ""
     lines = ["", "", "the fastest of each tensor-parallel size:"]
@@ -172,11 +173,10 @@ def by_tp_size(found: list) -> str:
     return "\n".join(lines)
 
 
-def by_engine(found: list) -> str:
-    """The fastest configuration of each engine searched, and where their step times differ most."""
-    best = {}
-    for e in found:  # fastest first
-        best.setdefault(e["engine"], e)
+def by_engine(found: list, allow_quantized: bool = False) -> str:
+    """The pick (`pick`) of each engine searched, and where their step times differ most."""
+    best = {name: pick([e for e in found if e["engine"] == name], allow_quantized)
+            for name in dict.fromkeys(e["engine"] for e in found)}
     if len(best) < 2:
         return ""
     lines = ["", "", "the fastest of each engine:"]
@@ -185,25 +185,60 @@ def by_engine(found: list) -> str:
                      f"{e['ac']}: {e['step_s']:.3f} s a step ({e['compute_s']:.3f} compute, {e['comm_s']:.3f} "
                      f"communication of {e['comm_bytes_per_step_per_rank'] / 1e9:.2f} GB per rank), peak "
                      f"{gib(e['peak_bytes'])} GiB, {e['images_per_s']:.0f} images/s")
-    (fast_name, fast), (slow_name, slow) = sorted(best.items(), key=lambda kv: kv[1]["step_s"])
+    ranked = sorted(best.items(), key=lambda kv: kv[1]["step_s"])
+    (fast_name, fast), (slow_name, slow) = ranked[0], ranked[-1]  # the fastest engine against the slowest
     terms = {"compute": slow["compute_s"] - fast["compute_s"], "communication": slow["comm_s"] - fast["comm_s"],
              "offload": slow["offload"]["offload_s"] - fast["offload"]["offload_s"]}
     why, gap = max(terms.items(), key=lambda kv: kv[1])
     if slow["step_s"] - fast["step_s"] < 1e-6:
-        lines.append("  the two are level: neither engine's step is shorter here")
+        lines.append("  they are level: no engine's step is shorter here")
     else:
-        lines.append(f"  {fast_name} is {slow['step_s'] / fast['step_s']:.2f}x faster, mostly by {why} "
+        lines.append(f"  {fast_name} is {slow['step_s'] / fast['step_s']:.2f}x faster than {slow_name}, mostly by {why} "
                      f"({gap * 1e3:.1f} ms of the {(slow['step_s'] - fast['step_s']) * 1e3:.1f} ms"
                      + (f"; its micro-batch {fast['micro_batch_size']} against {slow['micro_batch_size']}"
                         if fast["micro_batch_size"] != slow["micro_batch_size"] else "") + ")")
     return "\n".join(lines)
 
 
+def pick(found: list, allow_quantized: bool = False) -> dict:
+    """The fastest configuration, but one that changes the arithmetic (ZeRO++ quantized, offload's CPU Adam) only
+    when allowed, or when nothing else fits."""
+    plain = [e for e in found if allow_quantized or not e.get("numerics")]
+    return (plain or found)[0]
+
+
+def why(best: dict, found: list) -> str:
+    """One line: what made `best` win over the next fastest configuration (the step's term that differs most), and
+    what it passed over for changing the arithmetic."""
+    lines = []
+    faster = [e for e in found if e["step_s"] < best["step_s"] and e.get("numerics")]
+    if faster:
+        e = faster[0]
+        lines.append(f"passed over: {sharding(e)} at {e['step_s']:.3f} s a step ({e['step_s'] / best['step_s'] - 1:+.1%}), "
+                     f"which changes the arithmetic ({e['numerics']}); --allow_quantized picks it")
+    others = [e for e in found if e is not best and not e.get("numerics")]
+    if not others:
+        return "\n".join(lines + ["why: the only configuration that fits"])
+    e = others[0]
+    terms = {"compute": e["compute_s"] - best["compute_s"], "communication": e["comm_s"] - best["comm_s"],
+             "tensor-parallel all-reduces": e["tp_comm_s"] - best["tp_comm_s"],
+             "offload": e["offload"]["offload_s"] - best["offload"]["offload_s"]}
+    term, gap = max(terms.items(), key=lambda kv: kv[1])  # the term the winner saves most on
+    runner = f"{sharding(e)}, micro-batch {e['micro_batch_size']} x {e['grad_accum_steps']}, ac {e['ac']}"
+    if e["step_s"] - best["step_s"] < 1e-6:
+        lines.append(f"why: as fast as {runner}; fewer accumulation steps, then the lower peak "
+                     f"({gib(best['peak_bytes'])} against {gib(e['peak_bytes'])} GiB) decided")
+    else:
+        lines.append(f"why: {(e['step_s'] - best['step_s']) * 1e3:.1f} ms a step faster than the next, {runner}: "
+                     f"its {term} is {gap * 1e3:.1f} ms shorter")
+    return "\n".join(lines)
+
+
 def table(found: list, top: int) -> str:
-    rows = ["| # | engine (++: ZeRO++, off: offload) | TP | micro | accum | ac | peak GiB | step s | images/s | "
-            "compute s | comm s | TP comm s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| # | engine (++: ZeRO++, off: offload; *: changes the arithmetic) | TP | micro | accum | ac | peak GiB | "
+            "step s | images/s | compute s | comm s | TP comm s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, e in enumerate(found[:top]):
-        rows.append(f"| {i + 1} | {sharding(e)} | {e['tp_size']} | {e['micro_batch_size']} | "
+        rows.append(f"| {i + 1} | {sharding(e)}{' *' if e.get('numerics') else ''} | {e['tp_size']} | {e['micro_batch_size']} | "
                     f"{e['grad_accum_steps']} | {e['ac']} | {gib(e['peak_bytes'])} | {e['step_s']:.3f} | "
                     f"{e['images_per_s']:.0f} | {e['compute_s']:.3f} | {e['comm_s']:.3f} | {e['tp_comm_s']:.3f} |")
     return "\n".join(rows)
@@ -241,30 +276,38 @@ def draw(estimates: list, path: str, title: str):
     plt.close(fig)
 
 
-def write_plan(best: dict, cfg, ds_config: dict, out: str, a):
+def write_plan(best: dict, cfg, out: str, a) -> list[str]:
+    """The plan as a recipe (config.yaml: train.py's keys) that composes with the keys a run adds: the
+    optimizer, the schedule and the batch are train.py's keys, never baked into an engine config. A DeepSpeed
+    template other than the stage's own (ZeRO++, offload) is copied beside it as it is, its optimizer, batch and
+    precision fields "auto", which train.py fills. Returns the files written."""
+    import shutil
+
     import yaml
 
     os.makedirs(out, exist_ok=True)
     defaults = to_dict(Config())
+    keys = to_dict(cfg)
+    written = ["config.yaml"]
+    if cfg.ds_config:
+        shutil.copy(cfg.ds_config, os.path.join(out, "ds_config.json"))
+        keys["ds_config"] = os.path.join(out, "ds_config.json")
+        written.append("ds_config.json")
     with open(os.path.join(out, "config.yaml"), "w") as f:
         f.write(f"# plan.py's best configuration for {a.world_size} x {best['device']} (plan.json: the estimate).\n"
-                f"# Add train_shards, val_shards, output_dir and the schedule (lr, max_steps, ...) of your run.\n")
-        planned = {"model", "num_labels", "image_size", "precision", "engine", "zero_stage", "replicate_degree", "tp_size",
-                   "micro_batch_size", "grad_accum_steps", "ac"}  # written even where they equal today's defaults
-        yaml.safe_dump({k: v for k, v in to_dict(cfg).items() if v != defaults[k] or k in planned}, f, sort_keys=False)
-    from engine.registry import engine_class
-
-    engine = engine_class(cfg.engine)
-    with open(os.path.join(out, engine.config_file), "w") as f:
-        json.dump(ds_config, f, indent=2)
+                f"# Add train_shards, val_shards, output_dir and the schedule (lr, epochs or max_steps, ...) of your "
+                f"run,\n# here or on the command line: train.py fills the engine's config from them.\n")
+        planned = {"model", "num_labels", "image_size", "precision", "engine", "zero_stage", "replicate_degree",
+                   "tp_size", "micro_batch_size", "grad_accum_steps", "ac"}  # written even where they are defaults
+        yaml.safe_dump({k: v for k, v in keys.items() if v != defaults[k] or k in planned}, f, sort_keys=False)
     with open(os.path.join(out, "plan.json"), "w") as f:
         json.dump(best, f, indent=1)
     nodes = math.ceil(a.world_size / a.ranks_per_node)
     with open(os.path.join(out, "launch.sh"), "w") as f:
         f.write("#!/bin/bash\n# one line per node (NODE_RANK 0..{n}); MASTER_ADDR: node 0's address\n".format(n=nodes - 1)
                 + f"torchrun --nnodes {nodes} --nproc_per_node {a.ranks_per_node} --node_rank $NODE_RANK "
-                  f"--master_addr $MASTER_ADDR --master_port 29500 train.py --config {out}/config.yaml"
-                  + (f" --ds_config {out}/{engine.config_file}\n" if engine.capabilities.ds_config else "\n"))
+                  f"--master_addr $MASTER_ADDR --master_port 29500 train.py --config {out}/config.yaml \"$@\"\n")
+    return written + ["plan.json", "launch.sh"]
 
 
 def run_calibration(cfg, precision: str, out: str, host: bool = True, host_stages=(1, 2, 3),
@@ -397,12 +440,12 @@ def main(argv=None):
                         f"the smallest cluster on which it fits at all (ZeRO-3{' with ZeRO-Offload' if with_offload else ''}, "
                         f"full recompute, micro-batch 1) is {smallest} ranks" if smallest
                         else "it does not fit on any cluster up to 2^20 ranks"))
-            best = found[0]
+            best = pick(found, a.allow_quantized)
             if a.json:
                 print(json.dumps({"best": best, "feasible": found[:a.top], "count": len(found)}, indent=1))
             else:
                 print(f"{len(found)} configurations fit; the fastest {min(a.top, len(found))}:\n{table(found, a.top)}"
-                      f"{by_tp_size(found)}{by_engine(found)}\n\nbest:\n{describe(best)}")
+                      f"{by_tp_size(found, a.allow_quantized)}{by_engine(found, a.allow_quantized)}\n\nbest:\n{describe(best)}\n{why(best, found)}")
             if a.picture:
                 draw(found[:a.top], a.picture, f"{cfg.model}, {a.world_size} x {device.name}, global batch "
                                                f"{a.global_batch}: the {min(a.top, len(found))} fastest that fit")
@@ -412,10 +455,9 @@ def main(argv=None):
                                  micro_batch_size=best["micro_batch_size"],
                                  grad_accum_steps=best["grad_accum_steps"], ac=best["ac"], precision=precision,
                                  ds_config=best["ds_config_template"])
-                write_plan(best, chosen, ds_for(chosen), a.out, a)
+                written = write_plan(best, chosen, a.out, a)
                 if not a.json:
-                    print(f"written: {a.out}/config.yaml, {engine_class(chosen.engine).config_file}, plan.json, "
-                          f"launch.sh")
+                    print(f"written: {', '.join(os.path.join(a.out, w) for w in written)}")
             return 0
         check_tp(model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size), cfg.tp_size, a.world_size,
                  a.ranks_per_node)

@@ -20,7 +20,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,7 +27,8 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from config import KEYS, ConfigError, parse, to_dict
+import launch.job
+from config import KEYS, ConfigError, parse
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 EXIT_BAD_INPUT = 2
@@ -57,7 +57,7 @@ class StudySpec:
 SPACE_TYPES = ("float", "int", "categorical")
 SAMPLERS = ("tpe", "random", "grid", "cmaes")
 PRUNERS = ("none", "median", "successive_halving", "hyperband")
-LAUNCHERS = ("deepspeed", "torchrun", "accelerate", "python")
+LAUNCHERS = launch.job.LAUNCHERS
 
 
 class TrialFailed(Exception):
@@ -90,6 +90,9 @@ def load_spec(path: str) -> StudySpec:
                               f"{getattr(spec, key)!r}")
     if spec.trials <= 0 or spec.nproc_per_node <= 0 or spec.heartbeat_seconds <= 0:
         raise ConfigError(f"study file '{path}': trials, nproc_per_node and heartbeat_seconds must be positive")
+    if spec.launcher == "python" and spec.nproc_per_node != 1:
+        raise ConfigError(f"study file '{path}': launcher python starts one rank; set nproc_per_node 1 or another "
+                          f"launcher")
     if not spec.space:
         raise ConfigError(f"study file '{path}': the space is empty: name at least one train.py key to search")
     for key, dist in spec.space.items():
@@ -257,24 +260,6 @@ def suggest(trial, space: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------- a trial
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch_command(launcher: str, nproc: int, port: int) -> list[str]:
-    bin_dir = os.path.dirname(sys.executable)
-    if launcher == "deepspeed":
-        return [f"{bin_dir}/deepspeed", "--num_gpus", str(nproc), "--master_port", str(port), "train.py"]
-    if launcher == "torchrun":
-        return [f"{bin_dir}/torchrun", "--nproc_per_node", str(nproc), "--master_port", str(port), "train.py"]
-    if launcher == "accelerate":
-        return [f"{bin_dir}/accelerate", "launch", "--multi_gpu", "--num_processes", str(nproc), "--num_machines",
-                "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port), "train.py"]
-    return [sys.executable, "train.py"]
-
-
 def screen(spec: StudySpec, args: list[str]) -> dict | None:
     """plan.py's prediction for a trial (peak bytes, capacity, step seconds), or None without `screen`."""
     if not spec.screen:
@@ -402,13 +387,11 @@ def _run_trial(trial, spec: StudySpec, output_dir: str, parent_run: str) -> list
             raise TrialFailed(why)
     os.makedirs(run_dir, exist_ok=True)
     log_path = os.path.join(output_dir, "trials", f"{trial.number:04d}.log")
-    port = free_port()
     started = time.monotonic()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(launch_command(spec.launcher, spec.nproc_per_node, port) + args, cwd=REPO,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=dict(os.environ, PYTHONWARNINGS="ignore"))
-    trial.set_user_attr("port", port)
+    open(log_path, "w").close()
+    job = launch.job.start(args, launcher=spec.launcher, nproc=spec.nproc_per_node, log_path=log_path)
+    proc = job.proc
+    trial.set_user_attr("port", job.port)
     trial.set_user_attr("job_pgid", proc.pid)  # the job's process group: launcher and ranks
     trial.set_user_attr("worker_pid", os.getpid())
     metric, offset, reached = spec.objectives[0]["metric"], 0, 0

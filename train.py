@@ -9,7 +9,8 @@
     accelerate launch --multi_gpu --num_processes 2 train.py --model swin-debug
     python train.py --max_steps 20                                       # one rank
 
-Every config key, its default and meaning is in config.py; `--key value` overrides the recipe.
+`python train.py --help` lists every config key with its default and meaning (config.py defines them); `--key value`
+overrides the recipe.
 The run directory receives config.yaml, the engine's config (ds_config.json, fsdp2_config.json or ddp_config.json),
 ac_plan.json, hf_config/, metrics.jsonl, TensorBoard events (tb/), checkpoints (checkpoints/: DeepSpeed's, or the
 torch engines' through torch.distributed.checkpoint) and, at the end, hf_model/ for `transformers.pipeline` (with task mae
@@ -32,10 +33,10 @@ import compat
 from ac.policies import check_policy
 from checkpoints.hf_export import export_hf_model
 from checkpoints.manager import Resume, check_same_model, describe_load_error, find_resume, remove_interrupted, save
-from config import Config, ConfigError, parse
+from config import Config, ConfigError, help_text, parse
 from data.loader import (ShardStream, TrainLoader, check_labels, check_masks, check_streams, eval_batches,
                          merge_states, resume_state)
-from data.shards import DataError, parse_spec
+from data.shards import DataError, coverage, parse_spec
 from data.synthetic import SyntheticBatches
 from data.synthetic import val_batches as synthetic_val
 from data.transforms import (EvalTransform, Normalize, SegEvalTransform, SegTrainTransform, TrainTransform,
@@ -66,6 +67,11 @@ EXIT_COLLECTIVE = 6  # a collective failed, or no progress for dist_timeout: ano
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if {"-h", "--help"} & set(argv):  # every key, its default and meaning (config.py), from one rank
+        if os.environ.get("RANK", "0") == "0":
+            print(help_text(), end="")
+        return
     run = setup(argv)  # the input checked, then the process group, the watchdog, fail-fast and the signals
     model = build(run)  # weights from the seed alone, then activation checkpointing -> ZeRO -> compile
     start = resume(run, model)  # weights, optimizer, data position and EMA of the checkpoint, if there is one
@@ -98,6 +104,12 @@ def check_run(cfg: Config, world_size: int, rank: int) -> Checked:
     synthetic = cfg.data_mode == "synthetic"  # no shards read (data/synthetic.py)
     train_sources = [] if synthetic else parse_spec(cfg.train_shards, "train_shards")
     val_sources = [] if synthetic else parse_spec(cfg.val_shards, "val_shards")
+    notes = coverage(train_sources, "train_shards") + coverage(val_sources, "val_shards")
+    if notes and cfg.strict_data:
+        raise DataError(f"{notes[0]} (strict_data)")
+    for note in notes if rank == 0 else []:
+        print(f"warning: {note}", file=sys.stderr)
+    epochs_to_steps(cfg, train_sources, world_size // cfg.tp_size)
     names = train_sources[0].class_names if train_sources else None
     if names is not None and len(names) != cfg.num_labels:
         raise ConfigError(f"num_labels is {cfg.num_labels} but the train shards' _info.json lists {len(names)} classes")
@@ -158,6 +170,23 @@ def check_run(cfg: Config, world_size: int, rank: int) -> Checked:
             raise ConfigError(f"output_dir '{cfg.output_dir}' is not writable: {e.strerror}") from None
     return Checked(train_sources, val_sources, names, config, resume, shapes)
 
+
+
+def epochs_to_steps(cfg: Config, train_sources: list, data_ranks: int):
+    """`epochs` and `warmup_epochs` as optimizer steps (max_steps, warmup_steps): the train shards' samples (their
+    _info.json counts) over the global batch, rounded up."""
+    if not (cfg.epochs or cfg.warmup_epochs):
+        return
+    counts = [c for src in train_sources for c in (src.counts or [None])]
+    if not counts or None in counts:
+        raise ConfigError("epochs and warmup_epochs need the train shards' sample counts, from the _info.json "
+                          "data/make_shards.py writes beside them (or synthetic data has none): give max_steps and "
+                          "warmup_steps instead")
+    per_epoch = sum(counts) / images_per_step(cfg, data_ranks * cfg.tp_size)
+    if cfg.epochs:
+        cfg.max_steps = max(1, math.ceil(cfg.epochs * per_epoch))
+    if cfg.warmup_epochs:
+        cfg.warmup_steps = math.ceil(cfg.warmup_epochs * per_epoch)
 
 
 @dataclass
@@ -354,7 +383,7 @@ def open_log(run: Run, model: Model, start: Start, data: Data) -> RunLog:
               + (f" = {run.data_ranks} data x {cfg.tp_size} tensor parallel" if cfg.tp_size > 1 else "") +
               f" | global batch {images_per_step(cfg, world_size)} = {cfg.micro_batch_size} micro x "
               f"{cfg.grad_accum_steps} accum x {run.data_ranks} ranks | steps {start.step}->"
-              f"{cfg.max_steps} | data {cfg.data_mode}"
+              f"{cfg.max_steps}" + (f" ({cfg.epochs:g} epochs)" if cfg.epochs else "") + f" | data {cfg.data_mode}"
               + (f", {data.per_epoch // cfg.grad_accum_steps} steps per epoch" if data.per_epoch else ""))
     run.heartbeat.beat("opening the logs")
     tags = {}

@@ -15,15 +15,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 
 from tqdm import tqdm
 
 from benchmarks.measure import CPU_ALLOCATOR_ENV, REPO, environment, gemm_gflops
 from benchmarks.report import fmt_ratio, judged, paired_ratio, render
-from loop.distributed import free_port
+from launch.job import run as launch_train
 
 OUT = os.path.join(REPO, "benchmarks", "results", "async-save")
 RANKS, THREADS = 2, 1
@@ -35,19 +33,16 @@ SIDES = ("sync", "async")
 
 def run(plan: dict, background: bool, timeout_s: int = 900) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", str(RANKS),
-               "--master_port", str(free_port()), "train.py", "--config", "configs/digits-vit.yaml",
-               "--data_mode", "synthetic", "--engine", "fsdp2", "--zero_stage", "3", "--model", plan["model"],
-               "--image_size", str(plan["image_size"]), "--patch_size", str(plan["patch_size"]),
-               "--micro_batch_size", str(plan["micro_batch_size"]), "--max_steps", str(plan["steps"]),
-               "--warmup_steps", "2", "--save_every", str(SAVE_EVERY), "--eval_every", "0", "--keep_last", "2",
-               "--async_save", str(background).lower(), "--progress", "false", "--report_to", "none",
-               "--output_dir", tmp]
         env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), PYTHONWARNINGS="ignore", **CPU_ALLOCATOR_ENV)
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
-        if proc.returncode != 0:
-            return {"error": (proc.stdout + proc.stderr)[-3000:]}
-        summary = json.load(open(os.path.join(tmp, "summary.json")))
+        done = launch_train(nproc=RANKS, env=env, timeout=timeout_s, config="configs/digits-vit.yaml",
+                            data_mode="synthetic", engine="fsdp2", zero_stage=3, model=plan["model"],
+                            image_size=plan["image_size"], patch_size=plan["patch_size"],
+                            micro_batch_size=plan["micro_batch_size"], max_steps=plan["steps"], warmup_steps=2,
+                            save_every=SAVE_EVERY, eval_every=0, keep_last=2, async_save=background, progress=False,
+                            report_to="none", output_dir=tmp)
+        if not done.ok:
+            return {"error": done.output[-3000:]}
+        summary = done.summary
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(tmp, "checkpoints"))
                    for f in fs) // 2  # the two checkpoints kept
         return {"checkpoint_s": summary["checkpoint_seconds_this_launch"], "wall_s": summary["seconds_this_launch"],

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from benchmarks.suites import DEEPSPEED
 from config import Config
 import compat
 from loop.distributed import cap_device_memory, exit_distributed, flush_cpu_denormals, init_distributed
@@ -162,7 +163,7 @@ class DeepSpeedStep:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
         built = build_engine(model, cfg, world_size, device_type, log=lambda *a: None)
         self.engine, self.plan, self.dtype, self.cfg = built.engine, built.ac_plan, built.dtype, cfg
-        self.ds_config = built.ds_config
+        self.ds_config = built.engine_config
 
     def forward(self, images, targets, step: int, slot: int):
         return task_loss(self.engine, self.cfg, images.to(self.dtype), targets, step, slot)
@@ -184,7 +185,7 @@ class DeepSpeedStep:
 
 def trace_name(spec: Spec) -> str:
     """A configuration's prefix for its trace files: engine, stage or resharding, policy."""
-    how = f"zero{spec.zero}" if spec.engine == "deepspeed" else "reshard" if spec.reshard else "noreshard"
+    how = f"zero{spec.zero}" if spec.engine == DEEPSPEED else "reshard" if spec.reshard else "noreshard"
     return f"{spec.engine}-{how}-{spec.ac.replace(':', '_')}"
 
 
@@ -244,7 +245,7 @@ def main(argv=None):
 
     cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if spec.engine == "deepspeed":
+    if spec.engine == DEEPSPEED:
         device = init_distributed(local_rank)  # as train.py
     else:
         device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
@@ -261,7 +262,7 @@ def main(argv=None):
         else contextlib.nullcontext()
     profiler.__enter__()
     with record_function("bench/build"):  # DeepSpeed: as train.py builds it (partitioned under ZeRO-3)
-        if spec.engine == "deepspeed":
+        if spec.engine == DEEPSPEED:
             model, _ = build_training_model(cfg, engine_config(cfg, width(model_config(
                 spec.model, spec.num_labels, spec.image_size, spec.patch_size)), world_size)[1])
         elif spec.task == "classification":
@@ -272,7 +273,7 @@ def main(argv=None):
                                         mask_patch_size=spec.mask_patch_size)
     torch.manual_seed(spec.seed)  # dropout and stochastic depth: the same draws under every engine
     with record_function("bench/wrap"):
-        step_fn = DeepSpeedStep(model, cfg, world_size) if spec.engine == "deepspeed" \
+        step_fn = DeepSpeedStep(model, cfg, world_size) if spec.engine == DEEPSPEED \
             else FSDP2Step(model, cfg, spec)
     losses, times, hardware_flops = [], [], 0
     steps, timed_steps, flop_step = step_schedule(spec)
@@ -345,7 +346,7 @@ def main(argv=None):
                   "step_peak_bytes": column(3), "activation_bytes": column(4), "max_rss_bytes": column(5),
                   "hardware_flops_per_step": sum(float(g[6]) for g in gathered),
                   "forward_weight_bytes": column(7)}
-        if spec.engine == "deepspeed":  # what DeepSpeed ran with: benchmarks.validate predicts from it
+        if spec.engine == DEEPSPEED:  # what DeepSpeed ran with: benchmarks.validate predicts from it
             result["ds_config"] = step_fn.ds_config
         result["compiled"] = step_fn.compiled()
         plan = step_fn.plan

@@ -91,7 +91,7 @@ def main():
     import deepspeed
     import transformers
 
-    from loop.distributed import free_port
+    from launch.job import command
 
     os.makedirs(args.out, exist_ok=True)
     jobs = []
@@ -99,9 +99,8 @@ def main():
         for partitioned in ((1, 0) if repeat % 2 == 0 else (0, 1)):  # alternating order
             with tempfile.TemporaryDirectory() as tmp:
                 out = os.path.join(tmp, "r.json")
-                cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2",
-                       "--master_port", str(free_port()), "-m", "benchmarks.build_memory", "--worker", "--model", args.model,
-                       "--partitioned", str(partitioned), "--out", out]
+                cmd = command("torchrun", 2, script=["-m", "benchmarks.build_memory"]) + [
+                    "--worker", "--model", args.model, "--partitioned", str(partitioned), "--out", out]
                 env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **MALLOC_ENV)
                 proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
                 if proc.returncode != 0:

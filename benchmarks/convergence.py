@@ -15,9 +15,10 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
+
+from launch.job import run as launch_train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = "configs/digits-vit.yaml"
@@ -31,20 +32,13 @@ SMOOTH = 25  # steps in the plot's moving average
 
 def run_one(label: str, engine: str, overrides: list, seed: int, tmp: str) -> dict:
     out = os.path.join(tmp, f"{engine}-{len(os.listdir(tmp))}")
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--nproc_per_node", "2", "--master_port", str(29500 + seed + 10 * len(os.listdir(tmp))),
-           "train.py", "--config", RECIPE, "--seed", str(seed), "--output_dir", out, "--progress", "false", *overrides]
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // 2)), DS_ACCELERATOR="cpu",
                PYTHONWARNINGS="ignore")
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    if proc.returncode != 0 or not os.path.exists(os.path.join(out, "summary.json")):
-        raise RuntimeError(f"{label}, seed {seed} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        losses = [json.loads(line)["loss"] for line in f]
-    with open(os.path.join(out, "summary.json")) as f:
-        summary = json.load(f)
+    done = launch_train(overrides, nproc=2, env=env, config=RECIPE, seed=seed, output_dir=out, progress=False)
+    wall = done.seconds
+    if not done.ok:
+        raise RuntimeError(f"{label}, seed {seed} failed:\n{done.output[-3000:]}")
+    losses, summary = [r["loss"] for r in done.metrics], done.summary
     return {"config": label, "engine": engine, "seed": seed, "val_top1": summary["val_top1"],
             "val_top5": summary["val_top5"], "images_per_sec": summary["images_per_sec"], "wall_seconds": wall,
             "losses": losses}

@@ -18,6 +18,8 @@ import subprocess
 import sys
 import tempfile
 
+from launch.job import run as launch_train
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(REPO, "benchmarks", "results", "digits-tasks")
 
@@ -25,16 +27,14 @@ OUT = os.path.join(REPO, "benchmarks", "results", "digits-tasks")
 def torchrun(recipe: str, out: str, *overrides) -> dict:
     """One run of `recipe` on 2 ranks into `out`: its evaluations (step, metrics) and summary.json."""
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // 2)), PYTHONWARNINGS="ignore")
-    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2", "--master_port",
-           "29517", "train.py", "--config", recipe, "--output_dir", out, "--progress", "false", *overrides]
-    print(" ".join(cmd[3:]), flush=True)
-    subprocess.run(cmd, cwd=REPO, env=env, check=True)
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f]
+    print(" ".join(["train.py", "--config", recipe, *overrides]), flush=True)
+    done = launch_train(list(overrides), nproc=2, env=env, config=recipe, output_dir=out, progress=False)
+    if not done.ok:
+        raise RuntimeError(f"{recipe} failed:\n{done.output[-3000:]}")
+    records = done.metrics
     evals = [{k: v for k, v in r.items() if k == "step" or k.startswith("val_")} for r in records
              if any(k.startswith("val_") for k in r)]
-    with open(os.path.join(out, "summary.json")) as f:
-        summary = json.load(f)
+    summary = dict(done.summary)
     summary.pop("confusion", None)
     return {"recipe": recipe, "overrides": list(overrides), "evals": evals, "summary": summary,
             "first_loss": records[0]["loss"], "last_loss": records[-1]["loss"]}

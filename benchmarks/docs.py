@@ -17,9 +17,11 @@ import os
 import re
 import statistics
 import sys
+import textwrap
 
 from benchmarks.measure import REPO
 from benchmarks.report import MIN_REPEATS, fmt_ratio, paired_ratio, speed_ratio
+from benchmarks.suites import DEEPSPEED, FSDP2
 
 RESULTS = os.path.join(REPO, "benchmarks", "results")
 DOCS = ["README.md"] + [os.path.join("docs", name) for name in sorted(os.listdir(os.path.join(REPO, "docs")))
@@ -199,8 +201,8 @@ def h200_line(doc: str) -> str:
     light, none = jobs["fsdp2-zero3-light"], jobs["fsdp2-zero3-none"]
     compiled = jobs.get("fsdp2-zero3-none-compiled")
     peaks = [jobs[f"{e}-zero3-light"]["peak_mem_bytes"] / jobs[f"{e}-zero3-none"]["peak_mem_bytes"]
-             for e in ("fsdp2", "deepspeed")]
-    steps = [ips[f"{e}-zero3-none"] / ips[f"{e}-zero3-light"] for e in ("fsdp2", "deepspeed")]
+             for e in (FSDP2, DEEPSPEED)]
+    steps = [ips[f"{e}-zero3-none"] / ips[f"{e}-zero3-light"] for e in (FSDP2, DEEPSPEED)]
     text = (f"- **On one H200** ([GPU check]({link(folder, doc, 'README.md')}), {date}{stale_note(folder)}, ViT-L/16, "
             f"bf16, micro-batch 256 through `train.py`, one repeat each): FSDP2 + `light` {gi(ips['fsdp2-zero3-light'])}"
             f" img/s ({light['mfu']:.1%} MFU)")
@@ -435,7 +437,7 @@ def planner_cpu_rows(doc: str) -> str:
 
     folder, suite, rows, results = suite_report("cpu")
     have = [r for r in rows if "images_per_sec" in r]
-    fsdp2 = [r["planned_error"] for r in have if r["engine"] == "fsdp2" and not r["ac"].startswith("hf:")
+    fsdp2 = [r["planned_error"] for r in have if r["engine"] == FSDP2 and not r["ac"].startswith("hf:")
              and r.get("planned_error") not in (None, "")]
     autos = []
     for r in (r for r in have if r["ac"].startswith("auto") and r.get("budget_gib")):
@@ -459,8 +461,7 @@ def h200_planner_errors() -> tuple:
     """(folder, date, {job: (peak error, step error)}): plan.py's estimate of each train.py job of the second GPU
     check (uncalibrated, the H200's datasheet, 40% MFU) against what the job measured."""
     from config import Config
-    from engine.ds_config import build_ds_config
-    from engine.fsdp2 import fsdp2_config
+    from engine.registry import engine_class
     from planner.devices import DEVICES
     from planner.estimate import estimate
 
@@ -471,8 +472,7 @@ def h200_planner_errors() -> tuple:
         cfg = Config(model="vit-large", image_size=224, patch_size=16, num_labels=1000, precision="bf16",
                      engine=job["engine"], zero_stage=job["zero_stage"], ac=job["ac"],
                      micro_batch_size=job["micro_batch_size"])
-        engine_config = fsdp2_config(cfg, "bf16", True) if cfg.engine == "fsdp2" else \
-            build_ds_config(cfg, 1024, 1, "bf16", 1, gpu=True)
+        engine_config = engine_class(cfg.engine).engine_config(cfg, 1024, 1, "bf16", 1, gpu=True)
         e = estimate(cfg, engine_config, "bf16", 1, 1, DEVICES["h200"])
         out[name] = (e["peak_bytes"] / job["peak_mem_bytes"] - 1,
                      e["step_s"] / (job["micro_batch_size"] / job["images_per_sec"]) - 1)
@@ -633,12 +633,14 @@ def clean_clone(doc: str) -> str:
     date, commit, train, steps, _, test = row
     commit, duration = commit.split()[0], r"(\d+m\d+s)"
     with open(output(row)) as f:
-        printed = f.read().rstrip("\n")
-    return (f"From a clean clone of `{commit}` ({date}), `make train` took {re.search(duration, train).group(1)} with "
+        printed = f.read().rstrip("\n").splitlines()
+    shown = [line for line in printed if len(line) <= 160]  # the start-up line (model, engine, batch) left out
+    text = (f"From a clean clone of `{commit}` ({date}), `make train` took {re.search(duration, train).group(1)} with "
             f"the install (its 900 steps {re.search(duration, steps).group(1)}) and `make test` "
             f"{re.search(r'in ' + duration, test).group(1)}. The last bits of a CPU's fp32 rounding steer the run, "
             f"which has ended between {min(top1):.2f}% and {max(top1):.2f}% in the {len(top1)} clean clones recorded "
-            f"([timings]({link(folder, doc)})). That clone's `make train` printed:\n\n```\n{printed}\n```")
+            f"([timings]({link(folder, doc)})). That clone's `make train` ended:")
+    return "\n".join(textwrap.wrap(text, 116, break_long_words=False, break_on_hyphens=False)) + "\n\n```\n" + "\n".join(shown) + "\n```"
 
 
 def faults_line(doc: str) -> str:

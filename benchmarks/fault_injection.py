@@ -42,18 +42,21 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 
+import launch.job
+from config import Config
+from engine.registry import ENGINES
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BIN = os.path.dirname(sys.executable)
 INJECT = os.path.join(REPO, "benchmarks", "inject")  # sitecustomize.py: the faults a job gets from its environment
 KINDS = ("kill-rank", "kill-job", "kill-save", "kill-eval", "kill-export", "sigterm", "sigusr1", "stall", "nan",
          "enospc", "disk-full", "shard-truncate", "shard-delete", "raise", "bad-label", "pipe-fail")
 LAUNCHERS = ("deepspeed", "torchrun", "accelerate")
+ENGINE_DEFAULT = Config.engine  # train.py's
 ENDS_THE_JOB = {"kill-rank", "kill-job", "kill-save", "kill-eval", "kill-export", "sigterm", "sigusr1", "stall",
                 "raise"}
 CHANGES_TRAINING = {"nan", "shard-truncate", "shard-delete", "bad-label", "pipe-fail"}
@@ -111,32 +114,15 @@ def arg(args: list, key: str) -> str:
     return str(args[len(args) - 1 - [str(a) for a in reversed(args)].index(f"--{key}") + 1])
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def command(launcher: str, port: int) -> list:
-    if launcher == "deepspeed":
-        return [f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", str(port), "train.py"]
-    if launcher == "torchrun":
-        return [f"{BIN}/torchrun", "--nproc_per_node", "2", "--master_port", str(port), "train.py"]
-    return [f"{BIN}/accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port), "train.py"]
-
-
 def start(launcher: str, args: list, log_path: str, env_extra: dict | None = None):
     """A 2-rank job in its own session (its process group is the job, as a scheduler sees it)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **(env_extra or {}))
     if any(k.startswith("INJECT_") for k in env_extra or {}):  # faults installed from outside train.py
         env["PYTHONPATH"] = os.pathsep.join(p for p in (INJECT, env.get("PYTHONPATH", "")) if p)
     env.pop("RANK", None)
-    port = free_port()
-    log = open(log_path, "a")
-    proc = subprocess.Popen(command(launcher, port) + [str(a) for a in args], cwd=REPO, env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    proc.port, proc.log = port, log
+    job = launch.job.start(args, launcher=launcher, nproc=2, env=env, log_path=log_path)
+    proc = job.proc
+    proc.port, proc.log = job.port, open(log_path, "a")
     return proc
 
 
@@ -540,7 +526,7 @@ def main():
     parser.add_argument("--keep", action="store_true", help="keep the runs' directories")
     parser.add_argument("--task", default="classification", choices=sorted(TASK_ARGS),
                         help="the job's task (train.py's `task`), on the digits or, for segmentation, digits-seg")
-    parser.add_argument("--engine", default="deepspeed", choices=("deepspeed", "fsdp2"),
+    parser.add_argument("--engine", default=ENGINE_DEFAULT, choices=tuple(ENGINES),
                         help="train.py's engine; under fsdp2 the drawn ZeRO stage sets its resharding")
     a = parser.parse_args()
     kinds = a.kinds.split(",")
@@ -589,7 +575,7 @@ def write_report(episodes: list, a, start_time: float):
     lines = [f"# Fault injection, {datetime.date.today().isoformat()}", "",
              f"`python -m benchmarks.fault_injection --faults {a.faults} --seed {a.seed}"
              f"{f' --task {a.task}' if a.task != 'classification' else ''}"
-             f"{f' --engine {a.engine}' if a.engine != 'deepspeed' else ''}` at commit {commit}, "
+             f"{f' --engine {a.engine}' if a.engine != ENGINE_DEFAULT else ''}` at commit {commit}, "
              f"{platform.processor() or platform.machine()} with {os.cpu_count()} cores, torch {torch.__version__}; "
              f"{(time.time() - start_time) / 60:.0f} min.", "",
              f"Each fault hits its own 2-rank job: {JOB_DESCRIPTION[a.task]}, {MAX_STEPS} steps, a checkpoint every "

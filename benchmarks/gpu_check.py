@@ -36,7 +36,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -118,8 +117,9 @@ class Check:
             raise Timeout from None
 
     def torchrun(self, script: str, *args, env=None) -> int:
-        return self.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", 1, "--master_port",
-                         free_port(), script, *args], env)
+        from launch.job import command
+
+        return self.run(command("torchrun", 1, script=[script, *map(str, args)]), env)
 
 
 def commit() -> str:
@@ -132,12 +132,6 @@ def commit() -> str:
                               timeout=10).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def read_json(path: str):
@@ -260,8 +254,10 @@ def train_job(check: Check, name: str, *extra) -> dict:
 
 def digits(check: Check) -> dict:
     """The main job under each engine; an engine's failure is its entry, the other still runs."""
+    from benchmarks.suites import DEEPSPEED, FSDP2
+
     jobs = {}
-    for engine in ("deepspeed", "fsdp2"):
+    for engine in (DEEPSPEED, FSDP2):
         try:
             jobs[engine] = train_job(check, f"digits-{engine}", "--engine", engine)
         except RuntimeError as e:
@@ -452,8 +448,7 @@ def race_micro(engine: str, stage: int, ac: str) -> int:
     from dataclasses import replace
 
     from config import Config
-    from engine.ds_config import build_ds_config
-    from engine.fsdp2 import fsdp2_config
+    from engine.registry import engine_class
     from models.registry import model_config, width
     from planner.devices import DEVICES, Device
     from planner.estimate import estimate
@@ -469,8 +464,7 @@ def race_micro(engine: str, stage: int, ac: str) -> int:
             break
         cfg = Config(**shape, engine=engine, zero_stage=stage, ac=ac, micro_batch_size=micro, precision=precision,
                      grad_accum_steps=RACE_GLOBAL_BATCH[SMOKE] // micro)
-        engine_config = fsdp2_config(cfg, precision, not SMOKE) if engine == "fsdp2" else \
-            build_ds_config(cfg, hidden, 1, precision, 1, gpu=not SMOKE)
+        engine_config = engine_class(engine).engine_config(cfg, hidden, 1, precision, 1, gpu=not SMOKE)
         if estimate(cfg, engine_config, precision, 1, 1, device)["fits"]:
             best = micro
     return best
@@ -560,6 +554,8 @@ def race(check: Check) -> dict:
 def race_targets(parts: dict) -> list:
     """The seed's claim where memory binds: this project's best >= 1.15x plain FSDP2's best (one repeat each:
     points), its peak <= 0.7x plain ZeRO-3's at the same micro-batch; DeepSpeed's best, reported."""
+    from benchmarks.suites import DEEPSPEED
+
     figures = parts.get("race", {}).get("figures") or {}
     jobs = figures.get("jobs") or {}
     if not jobs:
@@ -568,7 +564,7 @@ def race_targets(parts: dict) -> list:
     plain = [(j["images_per_sec"], k) for k, j in done.items() if j.get("side") == "plain"]
     ours = [(j["images_per_sec"], k) for k, j in done.items() if j.get("side") == "ours"]
     deepspeed = [(j["images_per_sec"], k) for k, j in done.items() if j.get("side") == "ours" and
-                 j["engine"] == "deepspeed"]
+                 j["engine"] == DEEPSPEED]
     budget = f"{figures.get('budget_gib')} GiB"
     rows = [(f"race job {k}", "failed (gpu_check.log)", "not measured") for k, j in jobs.items() if k not in done]
     target = f"this project's best >= 1.15x plain FSDP2's best at {budget}"

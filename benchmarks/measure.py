@@ -6,7 +6,6 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -51,15 +50,14 @@ def calibrate(model: str, image_size: int, patch_size: int, micro_batch_size: in
     """`plan.py --calibrate` of one shape under torchrun with the suite's ranks and threads: the planner's
     figures for it, measured with every rank running as in a suite's job (planner/calibration.py); `host`: with
     the host probe (planner/host.py)."""
-    from loop.distributed import free_port
+    from launch.job import command
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "calibration.json")
-        cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", str(ranks),
-               "--master_port", str(free_port()), os.path.join(REPO, "plan.py"), "--calibrate", out, "--model", model,
-               "--image_size", str(image_size), "--patch_size", str(patch_size), "--micro_batch_size",
-               str(micro_batch_size), "--num_labels", str(num_labels), "--precision", precision,
-               *([] if host else ["--no_host_probe"])]
+        cmd = command("torchrun", ranks, script=os.path.join(REPO, "plan.py")) + [
+            "--calibrate", out, "--model", model, "--image_size", str(image_size), "--patch_size", str(patch_size),
+            "--micro_batch_size", str(micro_batch_size), "--num_labels", str(num_labels), "--precision", precision,
+            *([] if host else ["--no_host_probe"])]
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore", **CPU_ALLOCATOR_ENV)
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
         if proc.returncode != 0 or not os.path.exists(out):

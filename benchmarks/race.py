@@ -17,7 +17,7 @@ worker on one configuration).
 import statistics
 
 from benchmarks.report import both, by_repeat, fmt_ratio, judged, paired_ratio, peak_of, straddles
-from benchmarks.suites import MiB, Run, Suite, runs_of
+from benchmarks.suites import DEEPSPEED, MiB, Run, Suite, runs_of
 
 FINALISTS = 2  # per side and budget
 BUDGET_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)  # of the way from FSDP2 + HF full AC's peak to plain FSDP2's
@@ -88,7 +88,7 @@ def race_rows(suite: Suite, rows: list, results: list) -> list:
             best = lambda ks: max(ks, key=speed.get) if ks else None  # noqa: E731
             theirs = best([k for k in fit if side(runs[k]) == "plain"])
             ours = best([k for k in fit if side(runs[k]) == "ours"])
-            deepspeed = best([k for k in fit if runs[k].engine == "deepspeed"])
+            deepspeed = best([k for k in fit if runs[k].engine == DEEPSPEED])
             entry = {"shape": shape.label, "fraction": fraction, "budget_mib": budget, "plain": theirs, "ours": ours,
                      "deepspeed": deepspeed, "speed": speed, "peaks": peaks}
             for key in ("ours", "deepspeed"):

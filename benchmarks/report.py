@@ -4,7 +4,7 @@ import math
 import statistics
 from typing import NamedTuple
 
-from benchmarks.suites import MiB, Run, Suite, fsdp2, micro_and_accum, runs_of
+from benchmarks.suites import DEEPSPEED, FSDP2, MiB, Run, Suite, fsdp2, micro_and_accum, runs_of
 
 
 def peak_of(result: dict) -> int:
@@ -86,7 +86,7 @@ def engine_table(results: list, rows: list, suite: Suite) -> list:
     for shape in suite.shapes:
         have = {r["config"]: r for r in rows if r["shape"] == shape.label and "images_per_sec" in r}
         for run in runs_of(suite, shape):
-            if run.engine != "deepspeed" or run.zero == 1:
+            if run.engine != DEEPSPEED or run.zero == 1:
                 continue
             other = fsdp2(run.ac, reshard=run.zero == 3, compile=run.compile)
             if run.name in have and other.name in have:
@@ -116,7 +116,7 @@ def race_table(results: list, rows: list, suite: Suite) -> list:
             fits = [r for r in have if r["peak_alloc_mib"] <= budget]
             best = lambda rs: max(rs, key=lambda r: r["images_per_sec"]) if rs else None  # noqa: E731
             theirs = best([r for r in fits if r["config"] in plain_names])
-            ours = best([r for r in fits if r["engine"] == "deepspeed"])
+            ours = best([r for r in fits if r["engine"] == DEEPSPEED])
             either = best([r for r in fits if r["config"] not in plain_names])
             if not theirs:
                 continue
@@ -138,7 +138,7 @@ def summarise(results: list, shapes: list, suite: Suite, flops: dict, peak_gflop
             jobs = [r for r in results if r["shape"] == shape.label and r["run"] == run.name and "error" not in r]
             failed = [r for r in results if r["shape"] == shape.label and r["run"] == run.name and "error" in r]
             row = {"shape": shape.label, "config": run.name, "engine": run.engine, "zero_stage": run.zero or "",
-                   "reshard": run.reshard if run.engine == "fsdp2" else "", "ac": run.ac, "compile": run.compile,
+                   "reshard": run.reshard if run.engine == FSDP2 else "", "ac": run.ac, "compile": run.compile,
                    "jobs_ok": len(jobs),
                    "jobs_failed": len(failed)}
             if not jobs:
@@ -247,7 +247,7 @@ def memory_target(results: list, shape: str, rows: list, z3: dict) -> tuple:
     """(target, verdict, figures): the DeepSpeed configuration with the lowest peak among those whose median
     images/s is at least 0.9x plain ZeRO-3's (`z3`, its row) uses at most 0.7x its peak. The configuration is
     chosen on medians; its verdict reads the paired intervals of both of its ratios."""
-    fast = [r for r in rows if r["engine"] == "deepspeed" and r["images_per_sec"] >= 0.9 * z3["images_per_sec"]]
+    fast = [r for r in rows if r["engine"] == DEEPSPEED and r["images_per_sec"] >= 0.9 * z3["images_per_sec"]]
     best = min(fast, key=lambda r: r["peak_alloc_mib"])
     memory = peak_ratio(results, shape, best["config"], z3["config"])
     speed = speed_ratio(results, shape, best["config"], z3["config"])
@@ -447,9 +447,9 @@ def plot(path: str, suite: Suite, rows: list):
     for ax, shape in zip(axes[0], shapes):
         rs = [r for r in rows if r["shape"] == shape.label and "images_per_sec" in r]
         for r in rs:
-            plain = r["engine"] == "fsdp2" and (r["ac"] == "none" or r["ac"].startswith("hf:"))
-            c = colors[r["zero_stage"] if r["engine"] == "deepspeed" else "fsdp2" if plain else "ours-fsdp2"]
-            marker = "o" if r["engine"] == "deepspeed" else "s" if plain else "^"
+            plain = r["engine"] == FSDP2 and (r["ac"] == "none" or r["ac"].startswith("hf:"))
+            c = colors[r["zero_stage"] if r["engine"] == DEEPSPEED else "fsdp2" if plain else "ours-fsdp2"]
+            marker = "o" if r["engine"] == DEEPSPEED else "s" if plain else "^"
             ax.errorbar(r["peak_alloc_mib"], r["images_per_sec"], fmt=marker, color=c, ms=6,
                         mfc="white" if r["compile"] else c,  # hollow: compiled
                         yerr=[[r["images_per_sec"] - r["images_per_sec_min"]],

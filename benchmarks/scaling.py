@@ -32,6 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from launch.job import run as launch_train
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(REPO, "benchmarks", "results", "scaling")
 RECIPE = "configs/digits-vit.yaml"
@@ -154,17 +156,14 @@ def forward_flops(size: str, recipe: str = RECIPE) -> tuple[int, float]:
 
 def train(size: str, steps: int, tmp: str, recipe: str = RECIPE) -> dict:
     out_dir = os.path.join(tmp, f"{size}-{steps}")
-    cmd = [sys.executable, "train.py", "--config", recipe, "--model", size, "--max_steps", str(steps),
-           "--micro_batch_size", str(MICRO_BATCH), "--warmup_steps", str(max(10, steps // 10)), "--eval_every", "0",
-           "--save_every", "0", "--progress", "false", "--report_to", "none", "--num_workers", "0",
-           "--output_dir", out_dir]
     start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
-    if proc.returncode:
-        raise RuntimeError(f"{size} {steps} steps failed: {proc.stderr.strip().splitlines()[-1:]}")
-    with open(os.path.join(out_dir, "summary.json")) as f:
-        summary = json.load(f)
+    done = launch_train(launcher="python", nproc=1, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
+                        config=recipe, model=size, max_steps=steps, micro_batch_size=MICRO_BATCH,
+                        warmup_steps=max(10, steps // 10), eval_every=0, save_every=0, progress=False,
+                        report_to="none", num_workers=0, output_dir=out_dir)
+    if not done.ok:
+        raise RuntimeError(f"{size} {steps} steps failed: {done.output.strip().splitlines()[-1:]}")
+    summary = done.summary
     return {"size": size, "steps": steps, "images": steps * MICRO_BATCH, "val_top1": summary["val_top1"],
             "error": 1.0 - summary["val_top1"], "seconds": round(time.monotonic() - start, 1)}
 

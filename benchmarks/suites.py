@@ -2,7 +2,11 @@
 (`python -m benchmarks.train_bench --suite NAME` runs one)."""
 from dataclasses import dataclass, field
 
+from engine.deepspeed_zero import DeepSpeedEngine
+from engine.fsdp2 import FSDP2Engine
+
 MiB = 2**20
+DEEPSPEED, FSDP2 = DeepSpeedEngine.name, FSDP2Engine.name  # the engines the suites run, by their `engine` names
 
 
 @dataclass
@@ -30,16 +34,22 @@ class Run:
     @property
     def name(self) -> str:
         compiled = (" + compile" if self.compile else "") + (f" @ micro {self.micro}" if self.micro else "")
-        if self.engine == "fsdp2":
+        if self.engine == FSDP2:
             hf = {"hf:full": "HF full AC"}.get(self.ac, f"HF AC every {self.ac.split(':')[-1]}") \
                 if self.ac.startswith("hf:") else self.ac
             return f"FSDP2{'' if self.reshard else ' no-reshard'} + {hf}{compiled}"
         return f"ZeRO-{self.zero} + {self.ac}{compiled}"
 
     @property
+    def zero_stage(self) -> int:
+        """train.py's zero_stage: DeepSpeed's stage; FSDP2's resharding (3 reshards after forward, 2 keeps the
+        gathered weights)."""
+        return self.zero if self.engine == DEEPSPEED else 3 if self.reshard else 2
+
+    @property
     def plain(self) -> bool:
         """FSDP2 as its users run it: without this project's checkpointing (none, or Hugging Face's)."""
-        return self.engine == "fsdp2" and (self.ac == "none" or self.ac.startswith("hf:"))
+        return self.engine == FSDP2 and (self.ac == "none" or self.ac.startswith("hf:"))
 
 
 @dataclass
@@ -62,7 +72,7 @@ class Suite:
 
 
 def fsdp2(ac, reshard=True, compile=False):
-    return Run("fsdp2", ac, reshard=reshard, compile=compile)
+    return Run(FSDP2, ac, reshard=reshard, compile=compile)
 
 
 def zero(stage, *policies, compile=False):

@@ -30,7 +30,7 @@ from benchmarks.report import check_targets, compare, peak_of, plot, summarise, 
 from benchmarks.race import BESIDE, TRAINER, finalists, plot_race, race_markdown, race_targets, trainer_jobs
 from benchmarks.suites import SUITES, MiB, Run, Shape, Suite, fsdp2, micro_and_accum, runs_of
 from benchmarks.validate import write_validation
-from loop.distributed import free_port
+from launch.job import run as launch_train
 from planner.calibration import median_calibration
 
 
@@ -73,20 +73,13 @@ def run_worker(spec: dict, ranks: int, threads: int, timeout_s: int) -> tuple[di
     the result with the job's wall seconds."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", str(ranks),
-               "--master_port", str(free_port()), "-m", "benchmarks.bench_worker",
-               "--spec", json.dumps(spec), "--out", out]
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1",
                    **CPU_ALLOCATOR_ENV)
-        start = time.perf_counter()
-        try:
-            proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
-            failed = proc.returncode != 0 or not os.path.exists(out)
-            tail = (proc.stdout + proc.stderr)[-3000:]
-        except subprocess.TimeoutExpired:
-            failed, tail = True, f"timed out after {timeout_s} s"
+        done = launch_train(["--spec", json.dumps(spec), "--out", out], script=["-m", "benchmarks.bench_worker"],
+                            nproc=ranks, env=env, timeout=timeout_s)
+        failed, tail = done.returncode != 0 or not os.path.exists(out), done.output[-3000:]
         result = {"error": tail} if failed else json.load(open(out))
-    result["job_seconds"] = time.perf_counter() - start
+    result["job_seconds"] = done.seconds
     return result, tail if failed else ""
 
 
@@ -98,34 +91,22 @@ def run_trainer_job(suite: Suite, shape: Shape, run: Run, threads: int) -> tuple
     # train.py's first step is its warm-up and its second its profiled one (CPU); then the suite's untimed steps,
     # read from the device once at their end, then the timed ones, read at the end
     steps, first = 2 + suite.warmup_steps + suite.timed_steps, 3 + suite.warmup_steps
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", str(suite.ranks),
-               "--master_port", str(free_port()), "train.py", "--model", shape.model, "--num_labels", "10",
-               "--image_size", str(shape.image_size), "--patch_size", str(shape.patch_size), "--engine", run.engine,
-               # FSDP2's resharding is read from the stage: 3 reshards after forward, 2 keeps the gathered weights
-               "--zero_stage", str(run.zero if run.engine == "deepspeed" else 3 if run.reshard else 2),
-               "--ac", run.ac, "--compile", str(run.compile).lower(), "--micro_batch_size", str(micro),
-               "--grad_accum_steps", str(accum), "--data_mode", "synthetic", "--max_steps", str(steps),
-               "--warmup_steps", "20", "--log_every", str(first - 1), "--eval_every", "0", "--save_every", "0",
-               "--progress", "false", "--output_dir", os.path.join(tmp, "run")]
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1",
-                   **CPU_ALLOCATOR_ENV)
-        start = time.perf_counter()
-        try:
-            proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=suite.timeout_s)
-            metrics = os.path.join(tmp, "run", "metrics.jsonl")
-            failed, tail = proc.returncode != 0 or not os.path.exists(metrics), (proc.stdout + proc.stderr)[-3000:]
-        except subprocess.TimeoutExpired:
-            failed, tail = True, f"timed out after {suite.timeout_s} s"
-        if failed:
-            return {"error": tail, "job_seconds": time.perf_counter() - start}, tail
-        with open(metrics) as f:
-            records = [json.loads(line) for line in f]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1",
+               **CPU_ALLOCATOR_ENV)
+    done = launch_train(nproc=suite.ranks, env=env, timeout=suite.timeout_s, model=shape.model, num_labels=10,
+                        image_size=shape.image_size, patch_size=shape.patch_size, engine=run.engine,
+                        zero_stage=run.zero_stage, ac=run.ac, compile=run.compile, micro_batch_size=micro,
+                        grad_accum_steps=accum, data_mode="synthetic", max_steps=steps, warmup_steps=20,
+                        log_every=first - 1, eval_every=0, save_every=0, progress=False)
+    records = done.metrics
+    if done.returncode != 0 or not records:
+        tail = done.output[-3000:]
+        return {"error": tail, "job_seconds": done.seconds}, tail
     steps_of = [r for r in records if "images_per_sec" in r]
     peaks = [r["mem/step_peak_alloc_bytes"] for r in records if "mem/step_peak_alloc_bytes" in r]
     return {"images_per_sec": steady_images_per_sec(steps_of, first),
             "step_peak_bytes": peaks, "loss": steps_of[-1]["loss"], "micro_batch_size": micro, "grad_accum_steps": accum,
-            "job_seconds": time.perf_counter() - start}, ""
+            "job_seconds": done.seconds}, ""
 
 
 def run_trainer_phase(suite: Suite, results: list, threads: int, out_dir: str, log, bar) -> None:

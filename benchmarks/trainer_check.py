@@ -19,16 +19,13 @@ import json
 import math
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 
 from tqdm import tqdm
 
 from benchmarks.measure import CPU_ALLOCATOR_ENV, REPO, environment, gemm_gflops
 from benchmarks.report import both, fmt_ratio, judged, paired_ratio, render
 from benchmarks.train_bench import run_worker
-from loop.distributed import free_port
+from launch.job import run as launch_train
 
 OUT = os.path.join(REPO, "benchmarks", "results", "trainer")
 RANKS, THREADS = 2, 1
@@ -45,24 +42,16 @@ SMOKE = dict(shape=dict(model="vit-debug", image_size=16, patch_size=0, micro_ba
 def run_trainer(shape: dict, steps: int, engine: str, zero: int, ac: str, timeout_s: int = 900) -> dict:
     """train.py under torchrun on the digits shards: its summary, and the mean share of its steps spent waiting
     for data (metrics.jsonl)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", str(RANKS),
-               "--master_port", str(free_port()), "train.py", "--config", "configs/digits-vit.yaml",
-               "--model", shape["model"], "--image_size", str(shape["image_size"]), "--patch_size",
-               str(shape["patch_size"]), "--micro_batch_size", str(shape["micro_batch_size"]), "--engine", engine,
-               "--zero_stage", str(zero), "--ac", ac, "--max_steps", str(steps), "--log_every", str(LOG_EVERY), "--eval_every", "0",
-               "--save_every", "0", "--output_dir", tmp]
-        env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), PYTHONWARNINGS="ignore", **CPU_ALLOCATOR_ENV)
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
-        if proc.returncode != 0:
-            return {"error": (proc.stdout + proc.stderr)[-3000:]}
-        with open(os.path.join(tmp, "summary.json")) as f:
-            summary = json.load(f)
-        with open(os.path.join(tmp, "metrics.jsonl")) as f:
-            steps = [json.loads(line) for line in f if '"data_wait_frac"' in line]
-        timed = [s for s in steps if s["step"] > 2]
-        return {"images_per_sec": summary["images_per_sec"],
-                "data_wait_frac": sum(s["data_wait_frac"] for s in timed) / max(len(timed), 1)}
+    env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), PYTHONWARNINGS="ignore", **CPU_ALLOCATOR_ENV)
+    done = launch_train(nproc=RANKS, env=env, timeout=timeout_s, config="configs/digits-vit.yaml", **shape,
+                        engine=engine, zero_stage=zero, ac=ac, max_steps=steps, log_every=LOG_EVERY, eval_every=0,
+                        save_every=0)
+    if not done.ok:
+        return {"error": done.output[-3000:]}
+    summary = done.summary
+    timed = [s for s in done.metrics if "data_wait_frac" in s and s["step"] > 2]
+    return {"images_per_sec": summary["images_per_sec"],
+            "data_wait_frac": sum(s["data_wait_frac"] for s in timed) / max(len(timed), 1)}
 
 
 def measure(out_dir: str, plan: dict) -> list:

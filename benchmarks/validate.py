@@ -17,6 +17,7 @@ import torch
 
 from benchmarks.bench_worker import Spec, run_config
 from benchmarks.measure import calibrate as calibrate_job, cpu_name, memory_gbs
+from benchmarks.suites import DEEPSPEED
 from engine.ds_config import build_ds_config
 from planner.calibration import CALIBRATION_RATES, calibrated
 from planner.devices import Device
@@ -43,7 +44,7 @@ def validate(results_csv: str, mfu: float = 1.0, intra_gbs: float = 10.0, save: 
     folder = os.path.dirname(os.path.abspath(results_csv))
     with open(results_csv) as f:
         # eager rows only: the planner models the eager step (a compiled one fuses what it counts)
-        rows = [r for r in csv.DictReader(f) if r["engine"] == "deepspeed" and r["jobs_ok"] != "0"
+        rows = [r for r in csv.DictReader(f) if r["engine"] == DEEPSPEED and r["jobs_ok"] != "0"
                 and r.get("compile") != "True"]
     with open(os.path.join(folder, "runs.jsonl")) as f:
         runs = [json.loads(line) for line in f]
@@ -140,7 +141,7 @@ def unmeasured(results_csv: str) -> list:
     the planner has nothing to be compared with, counted as not measured."""
     with open(results_csv) as f:
         return [(r["shape"], r["config"]) for r in csv.DictReader(f)
-                if r["engine"] == "deepspeed" and r["jobs_ok"] == "0" and r.get("compile") != "True"]
+                if r["engine"] == DEEPSPEED and r["jobs_ok"] == "0" and r.get("compile") != "True"]
 
 
 def validation_table(rows: list, missing: list = ()) -> str:

@@ -2,6 +2,7 @@
 
     python data/make_shards.py digits data/digits                       # scikit-learn's bundled 8x8 digits
     python data/make_shards.py ~/imagenet/train data/in1k --split train --shard-size 1000
+    python data/make_shards.py ~/imagenet/val data/in1k --split val      # a second split beside the first
     python data/make_shards.py ~/flowers data/flowers --val-fraction 0.1  # image folder -> train + val
     python data/make_shards.py ~/hf_saved data/x --image-column img --label-column label   # save_to_disk
     python data/make_shards.py ~/parquet_dir data/x                      # a folder of parquet files
@@ -386,7 +387,9 @@ def main(argv=None):
     os.replace(tmp, info_path)  # written last: its presence means the shards are whole
     for split in splits:
         s = info["splits"][split]
-        print(f"{split}: {s['num_samples']} samples in {len(s['filenames'])} shards -> {args.out}/{split}-*.tar")
+        key = "train_shards" if split == "train" else "val_shards"
+        print(f"{split}: {s['num_samples']} samples in {len(s['filenames'])} shards -> "
+              f"{args.out}/{split}-{{000000..{len(s['filenames']) - 1:06d}}}.tar ({key}: {args.out} reads them all)")
     if bad:
         print(f"skipped {len(bad)} unreadable items:")
         for key, error in bad:

@@ -1,11 +1,17 @@
 """Shard specs and sample streams: where tar bytes come from and how raw samples come out of them.
 
-A spec is one or more sources joined by " + ", each a WebDataset brace pattern with an optional
-"@weight" suffix (weights are for `resampled` mode):
+A spec is one or more sources joined by " + ", each a directory written by data/make_shards.py (every shard its
+_info.json lists for the key's split: train for train_shards, val for val_shards), a WebDataset brace pattern, a
+glob, an http(s) URL or a `pipe:` command, with an optional "@weight" suffix (weights are for `resampled` mode):
 
-    data/in1k/train-{000000..001023}.tar
+    data/in1k
+    data/in1k/train-{000000..001281}.tar
     http://host/laion-{000000..009999}.tar@0.7 + pipe:aws s3 cp s3://b/cc12m-{0000..2175}.tar -@0.3
+
+A spec whose shards are fewer than its _info.json lists for their split reads part of the data: `coverage`
+says so with the counts (train.py warns, or stops with `strict_data`).
 """
+import glob
 import json
 import os
 import re
@@ -31,10 +37,19 @@ class Source:
     weight: float  # sampling weight in resampled mode
     counts: list  # samples per shard from _info.json, or None when unknown
     class_names: list  # from _info.json, or None
+    pattern: str = ""  # the spec's part this source came from
+    info_path: str = ""  # the _info.json read, "" when there is none
+    split: str = ""  # the _info.json split listing these shards, "" when none lists them all
+    split_files: tuple = ()  # every shard that split lists
+    split_samples: int = 0  # and its samples
 
 
 def is_remote(url: str) -> bool:
     return url.startswith(("http://", "https://", "pipe:"))
+
+
+def info_path_of(first_url: str) -> str:
+    return first_url.rsplit("/", 1)[0] + "/_info.json" if "/" in first_url else "_info.json"
 
 
 def _fetch_info(first_url: str):
@@ -42,7 +57,7 @@ def _fetch_info(first_url: str):
     parse is a DataError (a truncated copy would otherwise be ignored without a word)."""
     if first_url.startswith("pipe:"):
         return None
-    path = first_url.rsplit("/", 1)[0] + "/_info.json" if "/" in first_url else "_info.json"
+    path = info_path_of(first_url)
     try:
         if first_url.startswith(("http://", "https://")):
             with urllib.request.urlopen(path, timeout=30) as r:
@@ -90,26 +105,88 @@ def _check_urls(urls: list, spec: str, what: str):
         raise DataError(f"{what} '{spec}': {why}")
 
 
+def split_of(what: str) -> str:
+    """The _info.json split a key's directory means: train for train_shards, val for anything else."""
+    return "train" if what.startswith("train") else "val"
+
+
+def _directory_urls(directory: str, what: str) -> list[str]:
+    """Every shard a directory's _info.json lists for the key's split."""
+    directory = directory.rstrip("/")
+    info = _fetch_info(directory + "/")
+    if info is None:
+        raise DataError(f"{what} '{directory}' is a directory without an _info.json: write the shards with "
+                        f"data/make_shards.py, or give a shard spec such as {directory}/train-{{000000..000099}}.tar")
+    splits = info.get("splits", {})
+    split = split_of(what)
+    name = split if split in splits else "validation" if split == "val" and "validation" in splits else None
+    if name is None:
+        raise DataError(f"{what} '{directory}': its _info.json lists the splits {', '.join(splits) or 'none'}, not "
+                        f"{split}; name the shards with a spec instead")
+    return [f"{directory}/{f}" for f in splits[name].get("filenames", [])]
+
+
+def _expand(pattern: str, what: str) -> list[str]:
+    """A source's shard URLs: a directory's split, a glob's matches (sorted) or a brace pattern's expansion."""
+    if os.path.isdir(pattern) or (pattern.startswith(("http://", "https://")) and pattern.endswith("/")):
+        return _directory_urls(pattern, what)
+    if not is_remote(pattern) and any(c in pattern for c in "*?[") and "{" not in pattern:
+        return sorted(glob.glob(pattern))
+    return expand_urls(pattern)
+
+
 def parse_spec(spec: str, what: str) -> list[Source]:
     """Sources of a spec; local files must exist and be non-empty, http URLs must answer."""
     if not spec or not spec.strip():
-        raise DataError(f"{what} is empty: give a WebDataset shard spec such as data/digits/train-{{000000..000003}}.tar")
+        raise DataError(f"{what} is empty: give a shard directory (data/digits) or a WebDataset shard spec such as "
+                        f"data/digits/train-{{000000..000003}}.tar")
     sources = []
     for part in spec.split(" + "):
         part = part.strip()
         match = re.fullmatch(r"(.*)@(\d+(?:\.\d*)?)", part)
         pattern, weight = (match.group(1), float(match.group(2))) if match else (part, 1.0)
-        urls = expand_urls(pattern)
+        urls = _expand(pattern, what)
         if not urls:
             raise DataError(f"{what} '{pattern}' expands to no shards")
         _check_urls(urls, pattern, what)
         info = _fetch_info(urls[0]) or {}
-        lengths = {}
-        for split in info.get("splits", {}).values():
-            lengths.update(zip(split.get("filenames", []), split.get("shard_lengths", [])))
+        lengths, split, files, samples = {}, "", (), 0
+        names = {os.path.basename(u) for u in urls}
+        for name, s in info.get("splits", {}).items():
+            listed = s.get("filenames", [])
+            lengths.update(zip(listed, s.get("shard_lengths", [])))
+            if not split and names <= set(listed):
+                split, files, samples = name, tuple(listed), sum(s.get("shard_lengths", []))
         counts = [lengths.get(os.path.basename(u)) for u in urls]
-        sources.append(Source(urls, weight, None if None in counts else counts, info.get("class_names")))
+        sources.append(Source(urls, weight, None if None in counts else counts, info.get("class_names"), pattern,
+                              info_path_of(urls[0]) if info else "", split, files, samples))
     return sources
+
+
+def coverage(sources: list[Source], what: str) -> list[str]:
+    """What a spec leaves out, one line each: for each split an _info.json lists, the shards (and samples) the
+    spec's sources read of it when that is fewer than all; shards an _info.json beside them does not list; sources
+    whose _info.json name other classes. [] when the spec reads whole splits."""
+    notes, read = [], {}
+    for src in sources:
+        if src.info_path and not src.split:
+            notes.append(f"{what} '{src.pattern}': {src.info_path} lists no split holding all {len(src.urls)} of its "
+                         f"shards (another dataset's _info.json?)")
+        elif src.split:
+            names, samples, _ = read.setdefault((src.info_path, src.split), (set(), [0], src))
+            names.update(os.path.basename(u) for u in src.urls)
+            samples[0] += sum(src.counts or [])
+    for (path, split), (names, samples, src) in read.items():
+        if len(names) < len(src.split_files):
+            share = f", {samples[0]:,} of its {src.split_samples:,} samples" if src.split_samples else ""
+            notes.append(f"{what} covers {len(names)} of the {len(src.split_files)} shards {path} lists for split "
+                         f"{split}{share}: the rest is never read; give the directory ({what}: "
+                         f"{os.path.dirname(path) or '.'}) to read them all")
+    classes = {tuple(s.class_names) for s in sources if s.class_names}
+    if len(classes) > 1:
+        notes.append(f"{what}: its sources' _info.json name different classes ({len(classes)} lists), so their "
+                     f"labels do not mean the same classes")
+    return notes
 
 
 class _PipeStream:

@@ -153,6 +153,11 @@ class Engine(Protocol):
         """Ranks that share the optimizer's states (each steps 1/holders of them)."""
 
     @classmethod
+    def numerics(cls, cfg: Config, engine_config: dict) -> str | None:
+        """How this configuration's arithmetic differs from the plain fp32-master AdamW step every engine
+        takes by default (quantized communication, another optimizer implementation), or None."""
+
+    @classmethod
     def describe(cls, cfg: Config, world_size: int, module: torch.nn.Module | None = None) -> str:
         """How the weights are held, for the start-up line and the planner's table: "ZeRO-3", "DDP", ..."""
 

@@ -109,6 +109,17 @@ class DeepSpeedEngine:
         return data_ranks
 
     @classmethod
+    def numerics(cls, cfg: Config, engine_config: dict) -> str | None:
+        """ZeRO++'s quantized communication and ZeRO-Offload's CPU Adam change the step's arithmetic."""
+        zero = engine_config.get("zero_optimization", {})
+        changes = [what for key, what in (("zero_quantized_weights", "int8 weights in its gathers"),
+                                          ("zero_quantized_gradients", "int4 gradients in its reduce-scatter"))
+                   if zero.get(key)]
+        if zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None):
+            changes.append("DeepSpeed's CPU Adam on the host instead of torch's AdamW")
+        return ", ".join(changes) or None
+
+    @classmethod
     def describe(cls, cfg: Config, world_size: int, module=None) -> str:
         hpz = compat.zero3_hpz_ranks(module) if cfg.zero_stage == 3 and module is not None else 1
         return f"ZeRO-{cfg.zero_stage}" + (f" (hpZ over {hpz} ranks)" if hpz > 1 else "")

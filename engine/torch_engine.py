@@ -60,6 +60,10 @@ class TorchEngine:
     def optimizer_holders(cls, cfg: Config, data_ranks: int) -> int:
         return 1
 
+    @classmethod
+    def numerics(cls, cfg: Config, engine_config: dict) -> str | None:
+        return None
+
     @staticmethod
     def sizes(model: torch.nn.Module) -> Sizes:
         n = sum(p.numel() for p in model.parameters())

@@ -148,6 +148,7 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
         "flops_per_step_per_rank": flops, "forward_flops_per_image": fwd_flops,
         "recompute_fraction": figures["recompute_flops_fraction"],
         "comm_bytes_per_step_per_rank": sent, "comm_bytes_between_nodes": inter, "zeropp": bool(zeropp),
+        "numerics": engine.numerics(cfg, ds_config),
         "tp_comm_bytes_per_step_per_rank": tp_bytes, "tp_comm_s": tp_s,
         "ds_config_template": cfg.ds_config, "compute_s": compute_s, "memory_bound_s": memory_s, "comm_s": comm_s,
         "step_s": step_s, "memory_bytes_per_step_per_rank": moved * cfg.grad_accum_steps + optimizer_moved,

@@ -40,7 +40,7 @@ def search(cfg: Config, ds_config_for, precision: str, world_size: int, ranks_pe
     only tensor-parallel size (cfg's) searched."""
     if global_batch % world_size:
         raise ConfigError(f"global batch {global_batch} is not a multiple of the world size {world_size}")
-    policies = policies or ("none", "selective", "full")
+    policies = policies or ("none", "light", "selective", "full")
     found = []
     if tp:
         model = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size)
@@ -62,9 +62,9 @@ def search(cfg: Config, ds_config_for, precision: str, world_size: int, ranks_pe
             for micro in micro_batches:
                 scaled = (base[0].scaled(micro / PROFILE_BATCH), *base[1:])
                 for ac in policies:
-                    candidate = replace(cfg, engine=engine, micro_batch_size=micro, tp_size=size,
-                                        grad_accum_steps=per_rank // micro, ac=ac, ds_config="", replicate_degree=1,
-                                        **variant)
+                    candidate = replace(cfg, **{"engine": engine, "micro_batch_size": micro, "tp_size": size,
+                                                "grad_accum_steps": per_rank // micro, "ac": ac, "ds_config": "",
+                                                "replicate_degree": 1, **variant})
                     est = estimate(candidate, ds_config_for(candidate), precision, world_size, ranks_per_node,
                                    device, mfu, overlap, scaled, mbu, rates)
                     if est["fits"]:

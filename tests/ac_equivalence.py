@@ -2,6 +2,7 @@
 
     deepspeed --num_gpus 2 --module tests.ac_equivalence ZERO_STAGE OUT.json [TP_SIZE]
     deepspeed --num_gpus 2 --module tests.ac_equivalence fsdp2 OUT.json       # the FSDP2 engine (resharding)
+    deepspeed --num_gpus 2 --module tests.ac_equivalence ddp OUT.json         # the DDP engine
 
 (the tests fork its ranks from the zygote instead: conftest.fork_launch with module="tests.ac_equivalence").
 
@@ -33,8 +34,8 @@ from models import build_model
 def main(argv):
     stage, out, *rest = [int(a) if a.isdigit() else a for a in argv if not a.startswith("--local_rank")]
     tp = rest[0] if rest else 1
-    engine_name = "fsdp2" if stage == "fsdp2" else "deepspeed"
-    stage = 3 if engine_name == "fsdp2" else stage  # FSDP2 reshards after forward, ZeRO-3's trade
+    engine_name = stage if isinstance(stage, str) else "deepspeed"
+    stage = 3 if isinstance(stage, str) else stage  # FSDP2 reshards after forward, ZeRO-3's trade
     zero3 = stage == 3 and engine_name == "deepspeed"  # DeepSpeed's partitioned parameters
     deepspeed.init_distributed()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -69,8 +70,8 @@ def main(argv):
             built = build_engine(model, cfg, world, "cpu", log=lambda *a: None)  # train.py's own wrapping
             engine, plan = built.engine, built.ac_plan
             # the update DeepSpeed steps: torch's AdamW, foreach on CPU (ds_config's "fused" reaches torch)
-            results["compat"]["optimizer"] = [type(engine.basic_optimizer).__name__,
-                                              engine.basic_optimizer.defaults.get("fused")]
+            results["compat"]["optimizer"] = [type(engine.torch_optimizer).__name__,
+                                              engine.torch_optimizer.defaults.get("fused")]
             if zero3 and tp == 1:
                 results["compat"]["zero3_linear_replaced"] = torch.nn.functional.linear is compat._zero3_linear
             torch.manual_seed(1)  # once: drop path draws the same numbers whatever the policy
@@ -103,8 +104,7 @@ def main(argv):
                                                      "policies": [b["policy"] for b in plan["blocks"]],
                                                      "flops": counter.get_total_flops(),
                                                      "recompute_flops_planned": plan["recompute_matmul_flops"]}
-            if engine_name == "deepspeed":
-                engine.destroy()
+            engine.destroy()
     if zero3 and tp == 1:  # a local Hugging Face directory loads into ZeRO-3 partitions and computes what it does whole
         hf_dir = out + ".hf"
         if rank == 0:

@@ -3,13 +3,15 @@ zygote, or under each launcher), the debug run."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 import pytest
+
+from launch.job import command
+from loop.distributed import free_port  # noqa: F401 (the tests' one free_port is the library's)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
@@ -33,12 +35,6 @@ def with_faults(env: dict, faults: dict) -> dict:
     """`env` with benchmarks/inject on PYTHONPATH and its variables set: {"RAISE": "1:3", "NAN_AT": "5,6"}."""
     path = os.pathsep.join(p for p in (INJECT, env.get("PYTHONPATH", "")) if p)
     return dict(env, PYTHONPATH=path, **{f"INJECT_{k}": v for k, v in faults.items()})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Zygote:
@@ -218,18 +214,8 @@ def fork_start(start):
 
 
 def launcher_command(launcher, nproc, port, accelerate_config=None):
-    if accelerate_config:
-        return [f"{BIN}/accelerate", "launch", "--config_file", accelerate_config, "--num_processes", str(nproc),
-                "--main_process_port", port, "train.py"]
-    if launcher == "deepspeed":
-        return [f"{BIN}/deepspeed", "--num_gpus", str(nproc), "--master_port", port, "train.py"]
-    if launcher == "torchrun":
-        return [f"{BIN}/torchrun", "--nproc_per_node", str(nproc), "--master_port", port, "train.py"]
-    if launcher == "accelerate":  # --multi_gpu is its torchrun path; with --cpu it would start one process
-        return [f"{BIN}/accelerate", "launch", "--multi_gpu", "--num_processes", str(nproc), "--num_machines", "1",
-                "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", port, "train.py"]
-    assert launcher == "python", launcher
-    return [sys.executable, "train.py"]
+    """launch.job's command line of train.py under `launcher` (the one every launch of train.py uses)."""
+    return command(launcher, nproc, port, accelerate_config=accelerate_config)
 
 
 def check_input(args, capsys, monkeypatch):

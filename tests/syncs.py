@@ -5,8 +5,8 @@ A synchronisation is what makes the host wait for a GPU: a read of a tensor's va
 `bool`: the dispatcher's `_local_scalar_dense`), `tolist`, `numpy`, a `torch.tensor(..., device=...)` built from
 host data, loop.timing.synchronize and, in the project's code, `cpu` and a blocking `to(device)` copy. On the CPU
 none of them waits; counted here, they are what a GPU run would wait on. Each is charged to the innermost frame
-outside torch and the standard library: the project's training code (train.py, engine/, ac/, models/,
-data/transforms.py: "train"), DeepSpeed ("deepspeed") or anything else ("other": the data loader's host-side
+outside torch and the standard library: the project's training code (train.py, compat.py, engine/, loop/, runlog/,
+checkpoints/, parallel/, ac/, models/, data/transforms.py: "train"), DeepSpeed ("deepspeed") or anything else ("other": the data loader's host-side
 tensors, transformers). The phase is what the rank last told its heartbeat ("step 12", "step 30, evaluating").
 
 SYNC_COUNTS names the JSON file written as the run ends, one per rank (`<path>.<rank>`): {"phases": {phase: {owner:
@@ -23,7 +23,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIBRARIES = (os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"], os.path.abspath(__file__))
-TRAINING = tuple(os.path.join(REPO, p) for p in ("train.py", "engine/", "ac/", "models/", "data/transforms.py"))
+TRAINING = tuple(os.path.join(REPO, p) for p in ("train.py", "compat.py", "engine/", "loop/", "runlog/", "checkpoints/",
+                                                  "parallel/", "ac/", "models/", "data/transforms.py"))
 COUNTS = collections.defaultdict(collections.Counter)
 PHASE = ["starting"]
 

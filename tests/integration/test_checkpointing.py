@@ -1,5 +1,5 @@
-"""Activation checkpointing under the engines: every policy leaves the numbers unchanged under ZeRO 1-3, FSDP2 and
-tensor parallelism, and train.py logs its plan. What each policy saves: tests/unit/test_profile.py."""
+"""Activation checkpointing under the engines: every policy leaves the numbers unchanged under ZeRO 1-3, FSDP2, DDP
+and tensor parallelism, and train.py logs its plan. What each policy saves: tests/unit/test_profile.py."""
 import json
 import os
 
@@ -10,10 +10,11 @@ from conftest import fork_launch, launch, read_metrics
 # ZeRO-1 and ZeRO-2 both keep the whole weights, which is what the checkpointing meets, as under tensor parallelism
 # below (ZeRO-1, by default): their runs here are slow; ZeRO-3's, whose gathers the recompute must meet, is not
 @pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3,
-                                   "fsdp2"])
+                                   "fsdp2", "ddp"])
 def test_every_policy_matches_none_bitwise_under_zero(stage, tmp_path):
     """4 training steps, 2 ranks, vit-debug and swin-debug: losses and final weights equal `none` exactly, and
-    the FLOPs the backward repeats are the ones the plan counted; under ZeRO 1-3 and under the FSDP2 engine."""
+    the FLOPs the backward repeats are the ones the plan counted; under ZeRO 1-3 and under the FSDP2 and DDP
+    engines."""
     out = tmp_path / "result.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1")
     # PYTHONFAULTHANDLER: a rank that dies in C++ still prints its Python stack (how the exit abort that
@@ -34,7 +35,7 @@ def test_every_policy_matches_none_bitwise_under_zero(stage, tmp_path):
         # where DeepSpeed's linear would make every recompute run the block's last matmul as well
         assert r["flops"] - none["flops"] == r["recompute_flops_planned"], key
     assert results["vit-debug|auto"]["policies"] != ["none", "none"]  # the mid budget forced some recompute
-    if stage == "fsdp2":
+    if stage in ("fsdp2", "ddp"):
         assert compat_found["optimizer"] == ["AdamW", False]  # torch's foreach AdamW, as DeepSpeed's side on CPU
         return
     # what compat.py relies on in DeepSpeed: its CPU all-reduce buffer under the name it computes, and

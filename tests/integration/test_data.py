@@ -15,7 +15,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, run_entry
+from conftest import REPO, check_input, run_entry
 from data.loader import ShardStream, TrainLoader, eval_batches, merge_states, resume_state
 from data.shards import DataError, parse_spec
 from data.transforms import EvalTransform, Normalize, TrainTransform, mix_batch
@@ -440,3 +440,51 @@ def test_a_loader_worker_ends_with_its_rank(tmp_path):
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", port))
+
+
+def test_a_short_shard_spec_warns_and_strict_data_stops_it(digits, capsys, monkeypatch, tmp_path):
+    """A brace spec over 3 of the 4 train shards its _info.json lists: one warning with the counts (shards and
+    samples) at start; with strict_data, one error line, exit 2 and nothing written. The directory reads every
+    shard of each key's split, silently; a glob as a brace spec does; epochs count the split's samples."""
+    short = f"{digits['dir']}/train-{{000000..000002}}.tar"
+    code, err = check_input(["--train_shards", short, "--val_shards", digits["val"], "--output_dir", tmp_path / "a"],
+                            capsys, monkeypatch)
+    assert code == 0 and [line for line in err if "covers" in line] == [
+        f"warning: train_shards covers 3 of the 4 shards {digits['dir']}/_info.json lists for split train, 1,200 of "
+        f"its 1,438 samples: the rest is never read; give the directory (train_shards: {digits['dir']}) to read "
+        f"them all"]
+    code, err = check_input(["--train_shards", short, "--val_shards", digits["val"], "--strict_data", "true",
+                             "--output_dir", tmp_path / "b"], capsys, monkeypatch)
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: train_shards covers 3 of the 4 shards")
+    assert err[0].endswith("(strict_data)") and not (tmp_path / "b").exists()
+    code, err = check_input(["--train_shards", digits["dir"], "--val_shards", digits["dir"], "--output_dir",
+                             tmp_path / "c"], capsys, monkeypatch)
+    assert code == 0 and not any("covers" in line for line in err)
+    whole = parse_spec(digits["dir"], "train_shards")[0]
+    assert [u.rsplit("/", 1)[1] for u in whole.urls] == [f"train-00000{i}.tar" for i in range(4)]
+    assert [u.rsplit("/", 1)[1] for u in parse_spec(digits["dir"], "val_shards")[0].urls] == ["val-000000.tar"]
+    assert parse_spec(f"{digits['dir']}/train-*.tar", "train_shards")[0].urls == whole.urls
+    with pytest.raises(DataError, match="a directory without an _info.json"):
+        parse_spec(str(tmp_path), "train_shards")
+
+
+def test_epochs_become_steps_of_the_global_batch(digits, capsys, monkeypatch, tmp_path):
+    """epochs and warmup_epochs: the train split's samples over the global batch, rounded up (1,438 / 32 = 44.9
+    steps an epoch on one rank); a later --max_steps wins over a recipe's epochs; both on the command line is an
+    error; without sample counts (synthetic data) epochs is one line."""
+    import train
+    from config import parse
+
+    cfg = parse(["--train_shards", digits["dir"], "--val_shards", digits["dir"], "--epochs", "2",
+                 "--warmup_epochs", "0.5", "--output_dir", str(tmp_path / "a")])
+    train.epochs_to_steps(cfg, parse_spec(cfg.train_shards, "train_shards"), data_ranks=1)
+    assert (cfg.max_steps, cfg.warmup_steps) == (90, 23)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("epochs: 300\nwarmup_epochs: 5\n")
+    cfg = parse(["--config", str(recipe), "--max_steps", "2", "--warmup_steps", "1"])
+    assert (cfg.epochs, cfg.warmup_epochs, cfg.max_steps, cfg.warmup_steps) == (0, 0, 2, 1)
+    code, err = check_input(["--epochs", "2", "--max_steps", "5", "--output_dir", tmp_path / "b"], capsys, monkeypatch)
+    assert code == 2 and err == ["error: --max_steps and --epochs both set the run's length: give one"]
+    code, err = check_input(["--epochs", "2", "--data_mode", "synthetic", "--output_dir", tmp_path / "c"], capsys,
+                            monkeypatch)
+    assert code == 2 and "epochs and warmup_epochs need the train shards' sample counts" in err[0]

@@ -127,15 +127,21 @@ def test_a_checkpoint_of_the_other_engine_is_one_line(debug_args, tmp_path):
 
 
 @pytest.mark.parametrize("extra, says", [
-    (["--tp_size", "2"], "engine fsdp2 with tp_size 2: tensor parallelism is DeepSpeed's AutoTP here"),
-    (["--optimizer", "muon"], "engine fsdp2 with optimizer muon: Muon is DeepSpeed's here"),
-    (["--ds_config", "ds_configs/zero3.json"], "engine fsdp2 with ds_config ds_configs/zero3.json"),
+    (["--tp_size", "2"], "engine fsdp2 with tp_size 2: tensor parallelism (DeepSpeed's AutoTP) is not available "
+                         "under engine fsdp2; use tp_size 1 or engine deepspeed"),
+    (["--optimizer", "muon"], "engine fsdp2 with optimizer muon: the Muon optimizer (DeepSpeed's) is not available "
+                              "under engine fsdp2; use optimizer adamw or engine deepspeed"),
+    (["--ds_config", "ds_configs/zero3.json"], "engine fsdp2 with ds_config ds_configs/zero3.json: a DeepSpeed JSON"),
     (["--precision", "fp16"], "engine fsdp2 with precision fp16"),
-    (["--engine", "megatron"], "engine"),
-    (["--replicate_degree", "0"], "engine fsdp2 with replicate_degree 0: it must be at least 1"),
+    (["--engine", "megatron"], "config key 'engine' must be one of ('deepspeed', 'fsdp2', 'ddp'), got 'megatron'"),
+    (["--replicate_degree", "0"], "config key 'replicate_degree' must be positive, got 0"),
     (["--replicate_degree", "2"], "replicate_degree 2 does not divide the world size (1)"),
-    (["--engine", "deepspeed", "--replicate_degree", "2"], "replicate_degree 2 is FSDP2's HSDP (engine fsdp2)"),
-    (["--engine", "deepspeed", "--async_save", "true"], "async_save is the FSDP2 engine's (DCP's async_save)"),
+    (["--engine", "deepspeed", "--replicate_degree", "2"], "engine deepspeed with replicate_degree 2: HSDP"),
+    (["--engine", "deepspeed", "--async_save", "true"], "engine deepspeed with async_save True: checkpoints written "
+                                                        "in the background (DCP's async_save) is not available under "
+                                                        "engine deepspeed; use async_save false or engine fsdp2"),
+    (["--engine", "ddp", "--tp_size", "2"], "engine ddp with tp_size 2: tensor parallelism"),
+    (["--engine", "ddp", "--replicate_degree", "2"], "engine ddp with replicate_degree 2: HSDP"),
 ])
 def test_what_fsdp2_does_not_do_is_one_line(extra, says, capsys, monkeypatch, tmp_path):
     code, err = check_input(["--engine", "fsdp2", *extra, "--output_dir", tmp_path / "run"], capsys, monkeypatch)

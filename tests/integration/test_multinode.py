@@ -9,9 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import BIN, REPO, fork_launch, free_port, launch, read_metrics
+from conftest import REPO, fork_launch, free_port, launch, read_metrics
 
 from launch import slurm_env
+from launch.job import command
 
 STEPS = 12
 
@@ -49,8 +50,7 @@ def run_nodes(commands, envs=None, timeout=300):
 
 
 def torchrun_node(node_rank, port, args, ranks=1):
-    return [f"{BIN}/torchrun", "--nnodes", "2", "--node_rank", node_rank, "--nproc_per_node", ranks,
-            "--master_addr", "127.0.0.1", "--master_port", port, "train.py", *args]
+    return command("torchrun", ranks, port, nnodes=2, node_rank=node_rank) + [str(a) for a in args]
 
 
 def test_two_torchrun_nodes_train_and_resume_as_one_node(node_args, one_node, tmp_path):

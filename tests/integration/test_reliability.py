@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import BIN, REPO, ForkedJob, free_port, launch, launcher_command, read_metrics
+from conftest import REPO, ForkedJob, free_port, launch, launcher_command, read_metrics
 
 from loop.preemption import DUPLICATE_WINDOW_S, EXIT_GRACE_EXPIRED, EXIT_PREEMPTED
 from train import EXIT_COLLECTIVE, EXIT_NONFINITE
@@ -207,8 +207,7 @@ def test_a_stalled_rank_fails_the_job_within_the_timeout_and_is_named(debug_args
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     args = debug_args + ["--model", "vit-debug", "--max_steps", 100000, "--eval_every", 0, "--save_every", 0,
                          "--dist_timeout", 6, "--output_dir", run]
-    proc = subprocess.Popen([f"{BIN}/deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "train.py",
-                             *map(str, args)],
+    proc = subprocess.Popen(launcher_command("deepspeed", 2, free_port()) + [str(a) for a in args],
                             cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_for(lambda: steps_logged(run) >= 20, proc)

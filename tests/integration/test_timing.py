@@ -13,8 +13,9 @@ import sys
 import time
 
 import torch
-from conftest import BIN, REPO, free_port
+from conftest import REPO
 
+from launch.job import command
 from loop import timing
 
 COUNTER = '''
@@ -64,8 +65,8 @@ def test_train_py_starts_its_steps_on_the_clock(debug_args, tmp_path):
 def test_bench_worker_times_each_step_on_the_clock(tmp_path):
     spec = {"engine": "deepspeed", "zero": 2, "profiled_steps": 1, "timed_steps": 3, "count_flops": False}
     result = tmp_path / "result.json"
-    _, calls = _counted_run([f"{BIN}/torchrun", "--nproc_per_node", "1", "--master_port", str(free_port()),
-                             "-m", "benchmarks.bench_worker", "--spec", json.dumps(spec), "--out", str(result)],
+    _, calls = _counted_run(command("torchrun", 1, script=["-m", "benchmarks.bench_worker"]) +
+                            ["--spec", json.dumps(spec), "--out", str(result)],
                             tmp_path, {"DS_ACCELERATOR": "cpu"})
     steps = spec["profiled_steps"] + spec["timed_steps"]
     assert len(calls) >= 2 * steps and {c["device"] for c in calls} == {"cpu"}

@@ -168,6 +168,27 @@ def test_the_cycle_finder_finds_a_cycle():
         GRAPH[planted] = imported(MODULES[planted])
 
 
+def test_one_free_port_and_one_launcher_of_train_py():
+    """Every launch of train.py (benchmarks, sweep.py, the GPU check, the tests) builds its command line through
+    launch/job.py, and one function finds a free port."""
+    sources = {m: open(p).read() for m, p in MODULES.items()}
+    assert [m for m, text in sources.items() if re.search(r"^def free_port\(", text, re.M)] == ["loop.distributed"]
+    launcher_flags = r'"--nproc_per_node"|"--num_gpus"|"--main_process_port"|"torch\.distributed\.run"'
+    assert [m for m, text in sources.items() if re.search(launcher_flags, text)
+            and m != "tests.unit.test_structure"] == ["launch.job"]
+
+
+def test_no_engine_is_named_outside_the_engines_room():
+    """Which engine runs is asked of the engine (engine/base.py's interface), never by comparing its name or
+    class outside engine/: no `cfg.engine == "fsdp2"`, no isinstance of an engine class. The benchmarks compare
+    labels of what they ran through benchmarks/suites.py's constants, which come from the engine classes."""
+    engine_name = r'["\'](deepspeed|fsdp2|ddp)["\']'
+    tests = [rf"[=!]=\s*{engine_name}", rf"{engine_name}\s*[=!]=", rf"in \({engine_name}", r"isinstance\([^)]*Engine\b"]
+    found = [f"{m}: {line.strip()}" for m, p in MODULES.items() if not m.startswith(("engine.", "tests"))
+             for line in open(p) if any(re.search(t, line) for t in tests) and "launcher" not in line]
+    assert not found, "\n".join(found)
+
+
 def test_nothing_edits_sys_path():
     """Scripts run from the repository root (`python -m benchmarks.train_bench`) and pytest sets its own path
     (pytest.ini), so no file uses sys.path."""
