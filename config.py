@@ -396,3 +396,23 @@ def keys_markdown() -> str:
         out.append(f"| `{key}` | {typ} | {shown} | {meaning.replace('|', '&#124;')} |")
     return "\n".join(out[1:]) + "\n"
 
+
+DOCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "docs", "configuration.md")
+KEYS_BLOCK = re.compile(r"(<!-- keys -->\n)(.*?)(<!-- /keys -->)", re.S)
+
+
+def render_docs(path: str = DOCS) -> bool:
+    """Rewrite docs/configuration.md's key tables from key_docs(); True when they changed."""
+    text = open(path).read()
+    new = KEYS_BLOCK.sub(lambda m: m.group(1) + keys_markdown() + m.group(3), text)
+    if new != text:
+        with open(path, "w") as f:
+            f.write(new)
+    return new != text
+
+
+if __name__ == "__main__":  # python config.py --docs: docs/configuration.md's tables from the definitions above
+    if sys.argv[1:] != ["--docs"]:
+        raise SystemExit("usage: python config.py --docs")
+    print("rewritten" if render_docs() else "unchanged", DOCS)
+

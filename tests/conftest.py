@@ -215,7 +215,7 @@ def fork_start(start):
 
 def launcher_command(launcher, nproc, port, accelerate_config=None):
     """launch.job's command line of train.py under `launcher` (the one every launch of train.py uses)."""
-    return command(launcher, nproc, port, accelerate_config=accelerate_config)
+    return command(launcher, 1 if launcher == "python" else nproc, port, accelerate_config=accelerate_config)
 
 
 def check_input(args, capsys, monkeypatch):

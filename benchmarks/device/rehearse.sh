@@ -52,7 +52,7 @@ compat_s=$(( $(date +%s) - t ))
 step "train.py, 2 ranks, ZeRO-3 (torchrun)"
 [ -f data/digits/_info.json ] || PYTHONPATH=$site python3 data/make_shards.py digits data/digits
 t=$(date +%s)
-PYTHONPATH=$site OMP_NUM_THREADS=1 python3 -m torch.distributed.run --nproc_per_node 2 --master_port 29517 train.py \
+PYTHONPATH=$site OMP_NUM_THREADS=1 python3 -m torch.distributed.run --standalone --nproc_per_node 2 train.py \
   --config configs/digits-vit.yaml --zero_stage 3 --max_steps 40 --eval_every 40 --save_every 40 \
   --output_dir "$work/zero3" --progress false > "$work/zero3.log" 2>&1 || { tail -30 "$work/zero3.log"; exit 1; }
 grep "^done:" "$work/zero3.log"

@@ -169,3 +169,21 @@ def test_warmup_past_the_run_is_one_warning(debug_args, tmp_path):
     assert warnings == ["warning: warmup_steps 8 >= max_steps 2: the learning rate rises for the whole run and "
                         "peaks at 0.25 x lr"]
     assert read_metrics(tmp_path / "run")[-1]["lr"] == pytest.approx(0.25 * 3e-3)  # DEBUG_ARGS' lr
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_prints_every_key_and_exits_0(flag, tmp_path):
+    """`python train.py --help` (or -h, anywhere on the line) prints every key and exits 0, writing nothing."""
+    import dataclasses
+    import subprocess
+    import sys
+
+    import config
+    from conftest import REPO
+
+    proc = subprocess.run([sys.executable, "train.py", "--output_dir", str(tmp_path / "run"), flag], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: train.py"), proc.stderr[-2000:]
+    assert all(f"  --{f.name} " in proc.stdout for f in dataclasses.fields(config.Config))
+    assert not (tmp_path / "run").exists()
+

@@ -7,7 +7,7 @@ import re
 
 import pytest
 from ac.profile import PROFILE_BATCH
-from conftest import REPO, fork_launch, run_entry, run_plan as plan
+from conftest import REPO, fork_launch, launch, run_entry, run_plan as plan
 
 
 def test_plan_vit_22b_on_1024_gpus(tmp_path):
@@ -271,3 +271,26 @@ def test_plan_searches_both_engines_and_says_which_is_faster(tmp_path):
     assert sorted(p.name for p in (tmp_path / "plan").iterdir()) == ["config.yaml", "launch.sh", "plan.json"]
     assert "--ds_config" not in (tmp_path / "plan" / "launch.sh").read_text()
     assert "engine: fsdp2" in (tmp_path / "plan" / "config.yaml").read_text()
+
+
+def test_a_written_plan_composes_with_the_keys_a_run_adds(debug_args, tmp_path):
+    """plan.py --out writes a recipe of train.py's keys, no resolved engine config: a run adds its own lr and
+    beta2 to it, and a resume on another accumulation (the same global batch on fewer ranks) takes it too."""
+    out = tmp_path / "plan"
+    proc = plan("--model", "vit-debug", "--image_size", 16, "--num_labels", 10, "--precision", "fp32", "--engine",
+                "deepspeed", "--world_size", 2, "--ranks_per_node", 2, "--device", "cpu", "--device_tflops", 0.1,
+                "--device_memory_gb", 8, "--global_batch", 32, "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "launch.sh", "plan.json"]
+    assert "why: " in proc.stdout
+    run = tmp_path / "run"
+    args = debug_args + ["--config", out / "config.yaml", "--micro_batch_size", 16, "--grad_accum_steps", 1,
+                         "--max_steps", 4, "--save_every", 2, "--eval_every", 0, "--output_dir", run]
+    launch(args + ["--lr", "4e-4", "--beta2", "0.95"])
+    ds = json.loads((run / "ds_config.json").read_text())
+    assert ds["optimizer"]["params"]["lr"] == 4e-4 and ds["optimizer"]["params"]["betas"] == [0.9, 0.95]
+    resumed = tmp_path / "resumed"
+    proc = launch(args[:-2] + ["--lr", "4e-4", "--beta2", "0.95", "--grad_accum_steps", 2, "--output_dir", resumed,
+                               "--resume", run / "checkpoints" / "step0000002"], nproc=1)
+    assert "at step 2" in proc.stdout
+    assert json.loads((resumed / "ds_config.json").read_text())["gradient_accumulation_steps"] == 2

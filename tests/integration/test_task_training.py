@@ -42,6 +42,9 @@ CASES = [pytest.param(task, stage, marks=[pytest.mark.slow] if stage != 3 or tas
 # the FSDP2 engine: MAE in the default run (the task's own loss, masks and export), the rest under `-m slow`
 CASES += [pytest.param(task, "fsdp2", marks=[] if task == "mae" else [pytest.mark.slow], id=f"{task}-fsdp2")
           for task in TASKS]
+# the DDP engine: UperNet segmentation in the default run (a parameter the forward never uses), the rest slow
+CASES += [pytest.param(task, "ddp", marks=[] if task == "segmentation" else [pytest.mark.slow], id=f"{task}-ddp")
+          for task in TASKS]
 STEPS, SAVED = 8, 4
 
 
@@ -66,7 +69,7 @@ def state_dict(model_dir):
 @pytest.mark.parametrize("task,stage", CASES)
 def test_policy_resume_and_elastic_resume_continue_the_run_bitwise(task_args, tmp_path, task, stage):
     case, task = task, TASK.get(task, task)
-    engine = ["--engine", "fsdp2", "--zero_stage", 3] if stage == "fsdp2" else ["--zero_stage", stage]
+    engine = ["--engine", stage, "--zero_stage", 3] if stage in ("fsdp2", "ddp") else ["--zero_stage", stage]
     args = task_args(case) + engine + ["--max_steps", STEPS, "--micro_batch_size", 8, "--warmup_steps", 2,
                                        "--eval_every", SAVED]
     full = tmp_path / "full"
@@ -96,7 +99,7 @@ def test_policy_resume_and_elastic_resume_continue_the_run_bitwise(task_args, tm
     # on 1 rank accumulating 2 micro-batches (the same slots, so the same masks), under full recompute
     one = tmp_path / "one"
     proc = launch(args + ["--ac", "full", "--grad_accum_steps", 2, "--output_dir", one, "--resume", ckpt], nproc=1)
-    if stage != "fsdp2":  # DCP reshards at load, without a conversion
+    if stage not in ("fsdp2", "ddp"):  # DCP reshards at load, without a conversion
         assert "converting it to DeepSpeed's universal format" in proc.stdout
     np.testing.assert_array_equal(losses(one, SAVED + 1), losses(full, SAVED + 1))
 

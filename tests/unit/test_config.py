@@ -84,3 +84,24 @@ def test_accelerates_fsdp_plugin_selects_the_fsdp2_engine(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     with pytest.raises(ConfigError, match="sets distributed_type DEEPSPEED but the command line says engine fsdp2"):
         parse(["--engine", "fsdp2"])
+
+
+def test_help_lists_every_key_by_group_with_its_default_and_meaning():
+    """train.py --help's text, and docs/configuration.md's tables, come from config.py's definitions: every key
+    once, under the group comment above it, with its type, default and comment."""
+    import dataclasses
+    import re
+
+    import config
+
+    text = config.help_text()
+    keys = [f.name for f in dataclasses.fields(config.Config)]
+    listed = re.findall(r"^  --(\w+) (\w+)  \(default (.*)\)$", text, re.M)
+    assert [k for k, _, _ in listed] == keys
+    assert ("lr", "FLOAT", "0.002") in listed and ("train_shards", "STR", '"data/digits/train-{000000..000003}.tar"') \
+        in listed and ("compile", "BOOL", "false") in listed
+    groups = [line[:-1] for line in text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
+    assert groups[:3] == ["task and model", "fine-tuning", "data"] and "parallelism and precision" in groups
+    assert "peak learning rate (AdamW)" in text  # lr's own comment
+    block = config.KEYS_BLOCK.search(open(config.DOCS).read())
+    assert block and block.group(2) == config.keys_markdown(), "python config.py --docs rewrites the tables"
