@@ -76,7 +76,15 @@ DEFAULT_PARTS = (1, 7, 8, 9)
 
 
 class Timeout(Exception):
-    pass
+    """The part running reached its limit."""
+
+
+class Stopped(Exception):
+    """SIGTERM or SIGINT: the call was stopped from outside."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 class Check:
@@ -90,6 +98,7 @@ class Check:
         self.deadline = None
         self.results = {"date": datetime.date.today().isoformat(), "commit": commit(), "smoke": SMOKE,
                         "budget_s": BUDGET_S, "parts": {}}
+        self.part, self.partial, self.running = None, {}, None  # the part running, its figures so far, its job
         self.env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
         self.extensions = extensions()  # what this call builds is the difference at its end
         if SMOKE:
@@ -98,13 +107,46 @@ class Check:
     def elapsed(self) -> float:
         return time.monotonic() - self.started
 
+    # ------------------------------------------------------------------ what is kept as it ends
+    def start_part(self, name: str):
+        self.part, self.partial, self.running = name, {}, None
+
+    def jobs(self) -> dict:
+        """The running part's jobs, kept as each ends (`keep`): what a part stopped midway still reports."""
+        return self.partial.setdefault("jobs", {})
+
+    def begin(self, name: str):
+        """The job `name` starts: results.json says it is the one running."""
+        self.running = name
+        self.save()
+
+    def keep(self, name: str, job: dict, where: dict | None = None) -> dict:
+        """A finished job's figures, into the running part's jobs (or `where`) and results.json at once."""
+        (self.jobs() if where is None else where)[name] = job
+        self.running = None
+        self.save()
+        return job
+
+    def save(self):
+        """results.json as it stands, written whole (a temporary file renamed): a call killed at any moment leaves
+        every job finished before it."""
+        results = dict(self.results, seconds=round(self.elapsed(), 1))
+        if self.part and self.part not in results["parts"]:
+            results["parts"] = {**results["parts"], self.part: {"status": "running", "figures": self.partial,
+                                                                "running": self.running}}
+        tmp = os.path.join(self.out, ".results.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+        os.replace(tmp, os.path.join(self.out, "results.json"))
+
     def say(self, line: str):
         print(line, flush=True)
         self.log.write(line + "\n")
         self.log.flush()
 
     def run(self, cmd: list, env: dict = None) -> int:
-        """One command, its output into the log, killed with its children at the part's deadline."""
+        """One command in its own process group, its output into the log; the group is killed at the part's
+        deadline, and on anything else that ends the wait (SIGTERM, SIGINT: `Stopped`), so no child outlives it."""
         self.log.write(f"\n$ {' '.join(map(str, cmd))}\n")
         self.log.flush()
         proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
@@ -112,9 +154,11 @@ class Check:
         try:
             return proc.wait(timeout=max(1.0, self.deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            kill_group(proc)
             raise Timeout from None
+        except BaseException:
+            kill_group(proc)
+            raise
 
     def torchrun(self, script: str, *args, env=None) -> int:
         from launch.job import command
@@ -122,16 +166,52 @@ class Check:
         return self.run(command("torchrun", 1, script=[script, *map(str, args)]), env)
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (its children, theirs, ...), read from /proc. torchrun starts each rank in a
+    session of its own, so the launcher's process group does not hold them."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_group(proc: subprocess.Popen):
+    """SIGKILL to a child, every process below it (a launcher's ranks, in their own sessions) and its process
+    group, then reap the child."""
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
 def commit() -> str:
-    """The commit the tree is at: GPU_CHECK_COMMIT when the caller names it (a copied tree's .git may be another
-    commit's, or absent), else git's HEAD."""
+    """The commit of the tree this call runs: GPU_CHECK_COMMIT when the caller names it, else .whl/COMMIT, which
+    benchmarks/device/wheels.sh writes when it prepares the tree (the copied tree has no .git of its own, and an
+    enclosing repository's HEAD would be another commit)."""
     if os.environ.get("GPU_CHECK_COMMIT"):
         return os.environ["GPU_CHECK_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        with open(os.path.join(REPO, ".whl", "COMMIT")) as f:
+            return f.read().strip() or "unknown"
+    except OSError:
+        return "unknown (no .whl/COMMIT: prepare the tree with make wheels)"
 
 
 def read_json(path: str):
@@ -256,12 +336,13 @@ def digits(check: Check) -> dict:
     """The main job under each engine; an engine's failure is its entry, the other still runs."""
     from benchmarks.suites import DEEPSPEED, FSDP2
 
-    jobs = {}
+    jobs = check.partial  # {engine: its job}
     for engine in (DEEPSPEED, FSDP2):
+        check.begin(engine)
         try:
-            jobs[engine] = train_job(check, f"digits-{engine}", "--engine", engine)
+            check.keep(engine, train_job(check, f"digits-{engine}", "--engine", engine), jobs)
         except RuntimeError as e:
-            jobs[engine] = {"error": str(e)}
+            check.keep(engine, {"error": str(e)}, jobs)
     if all("error" in job for job in jobs.values()):
         raise RuntimeError("; ".join(f"{k}: {v['error']}" for k, v in jobs.items()))
     return jobs
@@ -379,10 +460,12 @@ def trainer(check: Check) -> dict:
     micro = planned_micro_batch(check)
     check.say(f"   plan.py's micro-batch: {micro}")
     flops = forward_flops_per_image()
-    jobs = {}
+    check.partial.update(micro_batch_size=micro, forward_flops_per_image=flops)
+    jobs = check.jobs()
     for engine, stage, ac in TRAINER_RUNS:
         name = f"{engine}-zero{stage}-{ac}"
-        jobs[name] = with_mfu(check, trainer_job(check, name, engine, stage, ac, micro), flops)
+        check.begin(name)
+        check.keep(name, with_mfu(check, trainer_job(check, name, engine, stage, ac, micro), flops))
         check.say(f"   {name}: " + (f"{jobs[name]['images_per_sec']:.0f} img/s" if jobs[name].get("images_per_sec")
                                      else jobs[name].get("error", "")))
     return {"micro_batch_size": micro, "forward_flops_per_image": flops, "jobs": jobs}
@@ -394,13 +477,15 @@ def compiled_trainer(check: Check) -> dict:
     jobs = {"fsdp2-zero3-none-compiled": ("fsdp2", 3, ["--compile", "true"]),
             "deepspeed-zero3-none-deepcompile": ("deepspeed", 3, ["--compile", "true", "--ds_config",
                                                                   "ds_configs/zero3_deepcompile.json"])}
-    result = {"micro_batch_size": micro, "jobs": {}}
+    check.partial["micro_batch_size"] = micro
+    kept = check.jobs()
     for name, (engine, stage, extra) in jobs.items():
         if SMOKE and "deepcompile" in name:
-            result["jobs"][name] = {"skipped": "DeepCompile needs a GPU"}
+            check.keep(name, {"skipped": "DeepCompile needs a GPU"})
             continue
-        result["jobs"][name] = with_mfu(check, trainer_job(check, name, engine, stage, "none", micro, *extra), flops)
-    return result
+        check.begin(name)
+        check.keep(name, with_mfu(check, trainer_job(check, name, engine, stage, "none", micro, *extra), flops))
+    return {"micro_batch_size": micro, "jobs": kept}
 
 
 def worker(check: Check) -> dict:
@@ -526,27 +611,33 @@ def race(check: Check) -> dict:
     """Plain FSDP2's best against this project's best (either engine, any policy) and DeepSpeed's best, each
     configuration at its largest fitting micro-batch under the cap; and the peak of plain ZeRO-3 (none, no cap)
     at this project's best's micro-batch, for the memory target."""
-    jobs = {}
+    check.partial.update(budget_gib=RACE_BUDGET_GIB[SMOKE], global_batch=RACE_GLOBAL_BATCH[SMOKE],
+                         shape=RACE_SMOKE_SHAPE if SMOKE else RACE_SHAPE)
+    jobs = check.jobs()
     for ac, planned_as in RACE_PLAIN:
         name = f"plain-fsdp2-{ac.replace(':', '_')}"
         micro = race_micro("fsdp2", 3, planned_as)
-        jobs[name] = confirmed(check, lambda m, n=name, a=ac: race_worker_job(check, n, a, m), micro) if micro \
-            else {"error": "plan.py: no micro-batch fits the budget"}
+        check.begin(name)
+        check.keep(name, confirmed(check, lambda m, n=name, a=ac: race_worker_job(check, n, a, m), micro) if micro
+                   else {"error": "plan.py: no micro-batch fits the budget"})
         check.say(f"   {name}: " + (f"{jobs[name]['images_per_sec']:.0f} img/s at micro {jobs[name]['micro_batch_size']}"
                                      if jobs[name].get("images_per_sec") else jobs[name].get("error", "")))
     for engine, stage, ac in RACE_OURS:
         name = f"{engine}-zero{stage}-{ac}"
         micro = race_micro(engine, stage, ac)
-        jobs[name] = confirmed(check, lambda m, n=name, e=engine, z=stage, a=ac: race_trainer_job(check, n, e, z, a, m),
-                               micro) if micro else {"error": "plan.py: no micro-batch fits the budget"}
+        check.begin(name)
+        check.keep(name, confirmed(check, lambda m, n=name, e=engine, z=stage, a=ac:
+                                   race_trainer_job(check, n, e, z, a, m), micro) if micro
+                   else {"error": "plan.py: no micro-batch fits the budget"})
         check.say(f"   {name}: " + (f"{jobs[name]['images_per_sec']:.0f} img/s at micro {jobs[name]['micro_batch_size']}"
                                      if jobs[name].get("images_per_sec") else jobs[name].get("error", "")))
     ours = [(j["images_per_sec"], k) for k, j in jobs.items() if j.get("side") == "ours" and j.get("images_per_sec")]
     if ours:  # plain ZeRO-3 at the winner's micro-batch, uncapped: what the memory target compares with
         best = jobs[max(ours)[1]]
         name = "deepspeed-zero3-none-uncapped"
-        jobs[name] = dict(race_trainer_job(check, name, "deepspeed", 3, "none", best["micro_batch_size"],
-                                           capped=False), side="reference")
+        check.begin(name)
+        check.keep(name, dict(race_trainer_job(check, name, "deepspeed", 3, "none", best["micro_batch_size"],
+                                               capped=False), side="reference"))
     return {"budget_gib": RACE_BUDGET_GIB[SMOKE], "global_batch": RACE_GLOBAL_BATCH[SMOKE],
             "shape": RACE_SMOKE_SHAPE if SMOKE else RACE_SHAPE, "jobs": jobs}
 
@@ -829,11 +920,14 @@ def main(argv=None) -> int:
     wanted = {int(p) for p in os.environ.get("PARTS", " ".join(map(str, DEFAULT_PARTS))).split()}
     interrupted = []
 
-    def stop(signum, frame):  # an outer limit: end the part running, then write what there is
-        interrupted.append(signum)
-        raise Timeout
+    def stop(signum, frame):  # from outside: the part running ends (its child's group killed), what there is is written
+        if not interrupted:
+            interrupted.append(signum)
+            raise Stopped(signum)
 
     signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    check.save()
     check.say(f"GPU check{' (smoke)' if SMOKE else ''}: parts {sorted(wanted)}, budget {BUDGET_S:.0f} s, "
               f"scratch {check.work}")
     try:
@@ -843,25 +937,42 @@ def main(argv=None) -> int:
             left = BUDGET_S - check.elapsed()
             if interrupted or part.expected_s > left:
                 check.results["parts"][part.name] = {"status": "not reached", "number": part.number}
-                check.say(f"== {part.number}. {part.name}: not started ({left:.0f} s left, {part.expected_s} s expected)")
+                check.say(f"== {part.number}. {part.name}: not started " + (
+                    f"(stopped by {signal.Signals(interrupted[0]).name})" if interrupted else
+                    f"({left:.0f} s left, {part.expected_s} s expected)"))
                 continue
             check.say(f"== {part.number}. {part.name}: {part.what} (limit {min(part.limit_s, left):.0f} s)")
             check.deadline = time.monotonic() + min(part.limit_s, left)
             started = time.monotonic()
             entry = {"number": part.number}
+            check.start_part(part.name)
             try:
                 entry["figures"] = RUNNERS[part.name](check)
                 entry["status"] = "ok"
                 entry["headline"] = headline(part.name, entry["figures"])
-            except Timeout:
-                entry.update(status="timed out", error=f"stopped at its limit ({min(part.limit_s, left):.0f} s)")
+            except (Timeout, Stopped) as e:  # the jobs it finished are kept; the one running is named
+                stopped = isinstance(e, Stopped)
+                entry.update(status=f"stopped ({e})" if stopped else "timed out",
+                             error=f"stopped by {e} after {time.monotonic() - started:.0f} s" if stopped else
+                             f"stopped at its limit ({min(part.limit_s, left):.0f} s)", cut=check.running)
+                if check.partial:
+                    entry["figures"] = check.partial
             except Exception as e:  # noqa: BLE001  a part's failure is reported; the next part still runs
                 entry.update(status="failed", error=f"{type(e).__name__}: {e}")
+                if check.partial:
+                    entry["figures"] = check.partial
             entry["seconds"] = round(time.monotonic() - started, 1)
             check.results["parts"][part.name] = entry
+            check.part = None
+            check.save()
             check.say(f"   {entry['status']} in {entry['seconds']} s: {entry.get('headline') or entry.get('error')}")
+    except Stopped:  # between parts: nothing was running
+        pass
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # what there is gets written, whatever comes next
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if interrupted:
+            check.results["stopped"] = signal.Signals(interrupted[0]).name
         parts = check.results["parts"]
         redo = [str(p.number) for p in PARTS if p.name in parts and parts[p.name]["status"] != "ok"]
         if redo:
@@ -872,8 +983,7 @@ def main(argv=None) -> int:
         for entry in parts.values():  # the runs' folders are scratch, deleted below
             if isinstance(entry.get("figures"), dict):
                 entry["figures"].pop("dir", None)
-        with open(os.path.join(check.out, "results.json"), "w") as f:
-            json.dump(check.results, f, indent=1)
+        check.save()
         summary = write_report(check)
         check.say("\n" + table(["part", "name", "status", "seconds", "result"], summary))
         if redo:
@@ -881,7 +991,7 @@ def main(argv=None) -> int:
         check.say(f"\nwritten: {', '.join(sorted(os.listdir(check.out)))} in {check.out}")
         check.log.close()
         shutil.rmtree(check.work, ignore_errors=True)
-    return 0 if not redo else 1
+    return 128 + interrupted[0] if interrupted else 0 if not redo else 1
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 #   PARTS="5 6" bash benchmarks/gpu_check.sh  # a second call: the parts the first did not reach
 #   PARTS="1 10" BUDGET_S=540 bash ...       # the race where memory binds (ViT-H/14 at 40 GiB), its own call
 #   SMOKE=1 bash benchmarks/gpu_check.sh OUT  # on CPU with tiny shapes: the same files (make device-rehearsal)
-#   GPU_CHECK_COMMIT=<hash> bash ...          # the commit the reports name, where the copied tree's .git is not it
+#   GPU_CHECK_COMMIT=<hash> bash ...          # the commit the reports name (default: .whl/COMMIT, from make wheels)
 # What each part measures, and the files it writes: benchmarks/gpu_check.py. The packages that machine lacks travel
 # as wheels in .whl/ (benchmarks/device/wheels.sh builds them; the device call carries ".whl"); they are
 # installed here as they are there: offline, without dependencies, into a folder on PYTHONPATH.

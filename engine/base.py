@@ -159,7 +159,16 @@ class Engine(Protocol):
 
     @classmethod
     def describe(cls, cfg: Config, world_size: int, module: torch.nn.Module | None = None) -> str:
-        """How the weights are held, for the start-up line and the planner's table: "ZeRO-3", "DDP", ..."""
+        """How the weights are held, for the start-up line: "ZeRO-3 (hpZ over 8 ranks)", "DDP (replicated)"."""
+
+    @classmethod
+    def plan_label(cls, estimate: dict) -> str:
+        """A planned configuration (planner/estimate.py's dict) in the planner's tables: "ZeRO-3++", "FSDP2 keep"."""
+
+    @classmethod
+    def search_variants(cls, world_size: int, ranks_per_node: int, tp_size: int) -> list[dict]:
+        """The config overrides (zero_stage, ds_config, replicate_degree) a planner's search tries on this cluster
+        at this tensor-parallel size; [] when the engine cannot run it."""
 
     # ------------------------------------------------------------------ the step
     def __call__(self, *args, **kwargs): ...
@@ -210,3 +219,6 @@ class Engine(Protocol):
 
     def writing_local_weights(self) -> contextlib.AbstractContextManager:
         """While active, what is written into each rank's local weights becomes the weights (the EMA's swap)."""
+
+    def destroy(self) -> None:
+        """Release what the engine holds process-wide (DeepSpeed's), before another engine is built."""

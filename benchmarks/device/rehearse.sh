@@ -13,6 +13,9 @@ source benchmarks/device/common.sh
 DEVICE_PY=$(device_python)
 VENV=.venv-device
 STACK=benchmarks/device/stack.txt
+# DeepSpeed's JIT-built ops of this stack in its own folder: built against its torch, they must not replace the
+# .venv's (the Makefile exports the .venv's folder to every target, this one too)
+export TORCH_EXTENSIONS_DIR="$PWD/$VENV/torch_extensions"
 started=$(date +%s)
 step() { echo "== rehearsal: $*"; }
 

@@ -14,6 +14,8 @@ OUT=.whl
 LIMIT_MB=24  # of the 64 MiB the working tree and the wheels share on the way to the GPU machine
 mkdir -p "$OUT"
 rm -f "$OUT"/*.whl
+# the commit the GPU check's reports name: the tree is copied to the GPU machine without its .git
+git describe --always --dirty --abbrev=40 > "$OUT/COMMIT"
 pyver=$("$BUILD_PY" benchmarks/device/stack.py python)
 platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
            --platform manylinux2014_x86_64 --platform manylinux1_x86_64)

@@ -136,3 +136,84 @@ def test_race_micro_batches_are_the_planners_largest_that_fit():
     assert not gpu_check.SMOKE
     none, full = gpu_check.race_micro("fsdp2", 3, "none"), gpu_check.race_micro("fsdp2", 3, "full")
     assert 0 < none < full <= gpu_check.RACE_GLOBAL_BATCH[0] and gpu_check.RACE_GLOBAL_BATCH[0] % none == 0
+
+
+# a stand-in part of two jobs, the second endless: what the check keeps when a part is stopped midway
+STOPPED_PART = """
+import sys
+import benchmarks.gpu_check as g
+
+QUICK, LONG, LIMIT = sys.argv[2], sys.argv[3], float(sys.argv[4])
+TRAIN = ["--model", "vit-debug", "--image_size", "16", "--data_mode", "synthetic", "--eval_every", "0",
+         "--save_every", "0", "--progress", "false", "--report_to", "none"]
+
+
+def part(check):
+    check.begin("quick")
+    if QUICK == "train":
+        rc = check.torchrun("train.py", *TRAIN, "--max_steps", "2", "--output_dir", check.work + "/quick")
+    else:
+        rc = check.run([sys.executable, "-c", "print('quick')"])
+    check.keep("quick", {"rc": rc})
+    check.begin("endless")
+    check.keep("endless", {"rc": check.torchrun("train.py", *TRAIN, "--max_steps", "1000000", "--output_dir", LONG)})
+    return {"jobs": check.jobs()}
+
+
+g.RUNNERS["digits"] = part
+g.PARTS = [g.Part(3, "digits", (1, 1), (LIMIT, LIMIT), "a quick job, then an endless train.py")]
+sys.exit(g.main([sys.argv[1]]))
+"""
+
+
+def processes_naming(text: str) -> list:
+    """The live processes whose command line holds `text`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def test_a_part_stopped_at_its_limit_or_by_sigterm_keeps_its_finished_jobs_and_leaves_no_process(tmp_path):
+    """A part stopped midway (at its limit; by SIGTERM) keeps the jobs it finished in results.json, names the one
+    it cut, kills that job's whole process group (torchrun and its rank) and writes its report; SIGTERM says the
+    call was stopped, not timed out, and no later part starts."""
+    import signal
+    import time
+
+    script = tmp_path / "stopped_part.py"
+    script.write_text(STOPPED_PART)
+    env = dict(os.environ, SMOKE="1", PYTHONWARNINGS="ignore", PARTS="3", BUDGET_S="600", PYTHONPATH=REPO)
+    long_run = tmp_path / "endless-at-limit"
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "a"), "echo", str(long_run), "10"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=120)
+    part = json.loads((tmp_path / "a" / "results.json").read_text())["parts"]["digits"]
+    assert proc.returncode == 1 and part["status"] == "timed out" and part["cut"] == "endless", part
+    assert part["figures"]["jobs"] == {"quick": {"rc": 0}}
+    assert processes_naming(str(long_run)) == []
+    assert "| 3 | digits | timed out |" in (tmp_path / "a" / "report.md").read_text()
+
+    long_run = tmp_path / "endless-at-sigterm"
+    check = subprocess.Popen([sys.executable, str(script), str(tmp_path / "b"), "train", str(long_run), "300"],
+                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    results = tmp_path / "b" / "results.json"
+    deadline = time.monotonic() + 120
+    while not (long_run / "metrics.jsonl").exists():  # the endless job is training
+        assert check.poll() is None and time.monotonic() < deadline, check.stdout.read()
+        time.sleep(0.5)
+    running = json.loads(results.read_text())["parts"]["digits"]
+    assert running["status"] == "running" and running["running"] == "endless"
+    assert running["figures"]["jobs"] == {"quick": {"rc": 0}}  # written as it ended, before the part did
+    check.send_signal(signal.SIGTERM)
+    out = check.communicate(timeout=60)[0]
+    stopped = json.loads(results.read_text())
+    part = stopped["parts"]["digits"]
+    assert check.returncode == 128 + signal.SIGTERM and stopped["stopped"] == "SIGTERM", out
+    assert part["status"] == "stopped (SIGTERM)" and part["cut"] == "endless" and "after" in part["error"]
+    assert part["figures"]["jobs"] == {"quick": {"rc": 0}}
+    assert processes_naming(str(long_run)) == []
