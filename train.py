@@ -130,11 +130,7 @@ def check_run(cfg: Config, world_size: int, rank: int) -> Checked:
     shapes = {n: list(p.shape) for n, p in defined_model.named_parameters()}
     if cfg.freeze:  # a pattern that names no parameter fails here, on the model's shapes alone
         frozen_names(list(shapes), cfg.freeze)
-    _, config = engine_config(cfg, width(defined), world_size)
-    offload = config.get("zero_optimization", {}).get("offload_param", {}).get("device", "none")
-    if cfg.ema_decay and offload == "nvme":
-        raise ConfigError("ema_decay with offload_param on nvme: the EMA averages the weights' partitions in memory, "
-                          "and NVMe-offloaded partitions are not there; offload to cpu or set ema_decay 0")
+    _, config = engine_config(cfg, width(defined), world_size)  # the engine's own contradictions raise here
     check_policy(cfg.ac, "cuda" if torch.cuda.is_available() else "cpu")
     data_ranks = world_size // cfg.tp_size  # the ranks of a tensor group read the same micro-batches
     streams = cfg.data_streams and not synthetic

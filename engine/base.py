@@ -183,6 +183,11 @@ class Engine(Protocol):
     def step(self) -> None:
         """After every micro-batch; at the accumulation boundary: the norm, clipping, the optimizer, the schedule."""
 
+    @property
+    def at_boundary(self) -> bool:
+        """Is the micro-batch about to run the last of its optimizer step (the one whose backward reduces the
+        gradients across ranks; those before it accumulate without a reduction)?"""
+
     def was_step_applied(self) -> bool: ...
 
     def get_lr(self) -> list[float]: ...

@@ -11,7 +11,7 @@ import contextlib
 import torch
 
 import compat
-from config import Config
+from config import Config, ConfigError
 from engine.base import Built, Capabilities, Sizes
 from engine.ds_config import DTYPES, build_ds_config, resolve_precision
 from engine.memory import comm_bytes, zero_memory_bytes, zero_memory_parts
@@ -42,7 +42,12 @@ class DeepSpeedEngine:
     @classmethod
     def engine_config(cls, cfg: Config, hidden_size: int, world_size: int, precision: str,
                       ranks_per_node: int | None = None, gpu: bool | None = None) -> dict:
-        return build_ds_config(cfg, hidden_size, world_size, precision, ranks_per_node, gpu)
+        ds_config = build_ds_config(cfg, hidden_size, world_size, precision, ranks_per_node, gpu)
+        offload = ds_config.get("zero_optimization", {}).get("offload_param", {}).get("device", "none")
+        if cfg.ema_decay and offload == "nvme":
+            raise ConfigError("ema_decay with offload_param on nvme: the EMA averages the weights' partitions in "
+                              "memory, and NVMe-offloaded partitions are not there; offload to cpu or set ema_decay 0")
+        return ds_config
 
     @classmethod
     def build_model(cls, build, cfg: Config, engine_config: dict):
@@ -156,6 +161,10 @@ class DeepSpeedEngine:
 
     def step(self):
         self.ds.step()  # optimizer and LR schedule advance only at the accumulation boundary
+
+    @property
+    def at_boundary(self) -> bool:
+        return self.ds.is_gradient_accumulation_boundary()
 
     def was_step_applied(self) -> bool:
         return self.ds.was_step_applied()
