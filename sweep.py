@@ -107,7 +107,27 @@ def load_spec(path: str) -> StudySpec:
                           f"single-objective studies only; set pruner none")
     for values in trial_configs(spec):  # every categorical choice, on the base config: a missing model fails here
         check_trial_config(path, spec, values)
+    check_base_input(path, spec)
     return spec
+
+
+def check_base_input(path: str, spec: StudySpec):
+    """train.py's own input checks on the base recipe, once, before any trial: its shards, labels, model files and
+    trackers (in a scratch output folder, removed after), so that a recipe no trial can run is one line, not
+    every trial failing alike."""
+    import contextlib
+    import io
+    import tempfile
+
+    import train
+
+    with tempfile.TemporaryDirectory() as scratch:
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                train.check_run(parse(train_args(spec, {}, os.path.join(scratch, "check"))), spec.nproc_per_node, 0)
+        except (ConfigError, ValueError, OSError) as e:
+            raise ConfigError(f"study file '{path}': its base recipe cannot run: {e}") from None
 
 
 def check_dimension(path: str, key: str, dist, sampler: str):

@@ -102,6 +102,17 @@ def test_a_bad_study_is_one_line_and_no_trial(digits, tmp_path, keys, message, c
     assert not (tmp_path / "out").exists()
 
 
+def test_a_recipe_no_trial_can_run_is_one_line_and_no_trial(digits, tmp_path, capsys, monkeypatch):
+    """The base recipe is checked once by train.py's own input checks, before any trial: shards that are not
+    there are one line and exit 2, no trial launched, no folder written."""
+    missing = {**digits, "train": str(tmp_path / "gone" / "train-{000000..000003}.tar")}
+    study = write_study(tmp_path / "study.yaml", missing)
+    code, lines = main_in_process(["--study", study, "--output_dir", tmp_path / "out"], capsys, monkeypatch)
+    assert code == 2 and len(lines) == 1, lines
+    assert "its base recipe cannot run: train_shards" in lines[0] and "4 of 4 shards not found" in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_storage_that_does_not_answer_is_one_line(digits, tmp_path, capsys, monkeypatch):
     study = write_study(tmp_path / "study.yaml", digits)
     url = f"postgresql://sweeper:secret@127.0.0.1:{free_port()}/sweeps"
