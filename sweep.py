@@ -20,6 +20,7 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 import yaml
 
 import launch.job
-from config import KEYS, ConfigError, parse
+from config import KEYS, ConfigError, parse, to_dict
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 EXIT_BAD_INPUT = 2
@@ -43,8 +44,10 @@ class StudySpec:
     space: dict = field(default_factory=dict)  # key: {type: float|int|categorical, low, high, log, step, choices}
     objectives: list = field(default_factory=lambda: [{"metric": "val_top1", "direction": "maximize"}])  # 1 or 2: a metric of summary.json or metrics.jsonl (peak_mem_bytes: its maximum)
     sampler: str = "tpe"  # tpe | random | grid (every key categorical or stepped) | cmaes
+    sampler_startup_trials: int = 0  # tpe: random trials before it models the space; 0 = a third of trials
     pruner: str = "none"  # none | median | successive_halving | hyperband: on the first objective as metrics.jsonl records it (val_*: each evaluation; loss: each step), one objective only
     pruner_warmup_steps: int = 0  # steps before a trial can be pruned (median: n_warmup_steps; halving/hyperband: min_resource)
+    pruner_startup_trials: int = 0  # median: complete trials before any pruning, and the fewest a trial is compared with at a step; 0 = max(3, trials // 4)
     trials: int = 10  # trials in the study, all workers together (a failed one counts; a retried one once)
     timeout_minutes: float = 0.0  # no new trial starts after this long in one invocation; 0 = no limit
     launcher: str = "torchrun"  # deepspeed | torchrun | accelerate | python (one rank)
@@ -88,6 +91,8 @@ def load_spec(path: str) -> StudySpec:
         if getattr(spec, key) not in choices:
             raise ConfigError(f"study file '{path}': {key} must be one of {', '.join(choices)}, got "
                               f"{getattr(spec, key)!r}")
+    if spec.sampler_startup_trials < 0 or spec.pruner_startup_trials < 0:
+        raise ConfigError(f"study file '{path}': sampler_startup_trials and pruner_startup_trials must be >= 0")
     if spec.trials <= 0 or spec.nproc_per_node <= 0 or spec.heartbeat_seconds <= 0:
         raise ConfigError(f"study file '{path}': trials, nproc_per_node and heartbeat_seconds must be positive")
     if spec.launcher == "python" and spec.nproc_per_node != 1:
@@ -225,14 +230,24 @@ def sampler_of(spec: StudySpec):
         return optuna.samplers.RandomSampler(seed=spec.seed)
     if spec.sampler == "cmaes":
         return optuna.samplers.CmaEsSampler(seed=spec.seed)
-    return optuna.samplers.TPESampler(seed=spec.seed, multivariate=True)
+    return optuna.samplers.TPESampler(seed=spec.seed, multivariate=True, n_startup_trials=startup_trials(spec)[0])
+
+
+def startup_trials(spec: StudySpec) -> tuple[int, int]:
+    """(TPE's random start-up trials, the median pruner's complete trials before it prunes): at most a third of the
+    study random, so that TPE models most of it; a trial pruned only against the median of several complete ones,
+    never the first alone. Optuna's own defaults (10 random trials; prune against 5) assume studies of hundreds."""
+    return (spec.sampler_startup_trials or max(1, spec.trials // 3),
+            spec.pruner_startup_trials or max(3, spec.trials // 4))
 
 
 def pruner_of(spec: StudySpec, max_steps: int):
     import optuna
 
     if spec.pruner == "median":
-        return optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=spec.pruner_warmup_steps)
+        n = startup_trials(spec)[1]
+        return optuna.pruners.MedianPruner(n_startup_trials=n, n_warmup_steps=spec.pruner_warmup_steps,
+                                           n_min_trials=n)
     if spec.pruner == "successive_halving":
         return optuna.pruners.SuccessiveHalvingPruner(min_resource=spec.pruner_warmup_steps or "auto")
     if spec.pruner == "hyperband":
@@ -393,6 +408,7 @@ def _run_trial(trial, spec: StudySpec, output_dir: str, parent_run: str) -> list
 
     values = suggest(trial, spec.space)
     run_dir = os.path.join(output_dir, "trials", f"{trial.number:04d}")
+    trial.set_user_attr("run_dir", f"{socket.gethostname()}:{os.path.abspath(run_dir)}")  # where its files are
     args = train_args(spec, values, run_dir)
     predicted = screen(spec, args)
     if parent_run:  # each trial a nested MLflow run under the study's
@@ -548,6 +564,14 @@ def write_report(study, spec: StudySpec, output_dir: str) -> str:
         lines.append(f"| {t.number} | {t.state.name.lower()} | " + " | ".join(fmt(t.params.get(k, "")) for k in keys)
                      + " | " + " | ".join(objective) + f" | {a.get('pruned_at_step', a.get('steps', ''))} | "
                      f"{a.get('seconds', 0):.0f} | {planned} / {measured} | {note} |")
+    lines += ["", "Each trial's files are in `trials/NNNN` of the output folder of the worker that ran it; the study "
+                  "records that folder as the trial's `run_dir` (host:path), and this report and `best.yaml` are "
+                  "built from the study alone."]
+    screened = [t for t in trials if t.state == TrialState.FAIL and "infeasible" in t.user_attrs.get("error", "")]
+    if spec.screen:
+        lines.append(f"Screened by the planner for {spec.screen} before launch: " + (
+            "; ".join(f"trial {t.number} ({', '.join(f'{k}={fmt(v)}' for k, v in t.params.items())}: "
+                      f"{t.user_attrs['error']})" for t in screened) if screened else "every trial fitted") + ".")
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
     if complete:
         best = study.best_trials if len(names) > 1 else [study.best_trial]
@@ -559,6 +583,18 @@ def write_report(study, spec: StudySpec, output_dir: str) -> str:
             b = best[0]
             lines.append(f"The recipe's own values (trial {recipe.number}) gave {names[0]} {fmt(recipe.values[0])}; "
                          f"the best {fmt(b.values[0])} ({b.values[0] - recipe.values[0]:+.4g}).")
+        elif recipe:
+            signs = [1 if o["direction"] == "maximize" else -1 for o in spec.objectives]
+            better = [t for t in complete if t is not recipe and all(s * (a - r) >= 0 for s, a, r in
+                                                                     zip(signs, t.values, recipe.values))
+                      and any(s * (a - r) > 0 for s, a, r in zip(signs, t.values, recipe.values))]
+            lines.append(f"The recipe's own values (trial {recipe.number}) gave " + ", ".join(
+                f"{n} {fmt(v)}" for n, v in zip(names, recipe.values)) + "; " + (
+                "trials " + ", ".join(str(t.number) for t in better) + " beat it on both objectives (the best of "
+                "them: " + ", ".join(f"{n} {fmt(v)}" for n, v in zip(names, max(
+                    better, key=lambda t: signs[0] * t.values[0]).values)) + ")" if better else
+                "no trial beat it on both objectives: it is on the Pareto front"
+                if recipe in best else "no trial beat it on both objectives") + ".")
         write_best(best[0], spec, output_dir)
         lines += ["", f"`best.yaml`: trial {best[0].number}'s resolved config, for `train.py --config "
                       f"{os.path.join(output_dir, 'best.yaml')}`."]
@@ -575,12 +611,10 @@ def is_recipe(study, trial) -> bool:
 
 
 def write_best(trial, spec: StudySpec, output_dir: str):
-    with open(os.path.join(output_dir, "trials", f"{trial.number:04d}", "config.yaml")) as f:
-        resolved = yaml.safe_load(f)
-    resolved["output_dir"] = os.path.join("runs", f"{spec.name}-best")
-    resolved["resume"] = ""
-    resolved["tracking_parent"] = ""
-    resolved["run_name"] = ""
+    """best.yaml: the base recipe with the trial's values, resolved as train.py reads them; from the study alone
+    (the trial's own folder may be on another node)."""
+    resolved = to_dict(parse(train_args(spec, trial.params, os.path.join("runs", f"{spec.name}-best"))))
+    resolved["progress"] = True
     with open(os.path.join(output_dir, "best.yaml"), "w") as f:
         f.write(f"# sweep {spec.name}: trial {trial.number}, {', '.join(f'{k}={fmt(v)}' for k, v in trial.params.items())}"
                 f"\n")

@@ -130,6 +130,7 @@ def test_a_pruned_study_on_the_digits(digits, tmp_path):
     its whole job is killed (the launcher and both ranks), its processes are gone and its port is free. The report, best.yaml (which train.py reads) and the
     history picture are written; a rerun continues the study and starts no trial."""
     study = write_study(tmp_path / "study.yaml", digits, pruner="median", sampler="random", seed=1,
+                        pruner_startup_trials=1,  # here: pruned against the recipe's trial alone
                         launcher="torchrun", nproc_per_node=2,  # torchrun starts each rank in its own session
                         space={"lr": {"type": "categorical", "choices": [0.003, 1.0]}},
                         objectives=[{"metric": "loss", "direction": "minimize"}])
@@ -157,6 +158,13 @@ def test_a_pruned_study_on_the_digits(digits, tmp_path):
     from config import parse
 
     assert parse(["--config", str(out / "best.yaml")]).max_steps == 20  # a recipe train.py reads
+    # the report from the storage alone, on another machine's folder: no trial folder there
+    elsewhere = tmp_path / "elsewhere"
+    proc = sweep("--study", study, "--output_dir", elsewhere, "--storage", f"sqlite:///{out}/study.db",
+                 "--report_only")
+    assert not (elsewhere / "trials" / "0000").exists() and yaml.safe_load((elsewhere / "best.yaml").read_text()) == best
+    assert f"| 1 | pruned | 1 |" in (elsewhere / "report.md").read_text()
+    assert first.user_attrs["run_dir"] == f"{socket.gethostname()}:{out / 'trials' / '0000'}"
 
 
 # slow (~20 s): two more launches; the default run's pruned study checks a trial's launch, end and record

@@ -105,3 +105,18 @@ def test_help_lists_every_key_by_group_with_its_default_and_meaning():
     assert "peak learning rate (AdamW)" in text  # lr's own comment
     block = config.KEYS_BLOCK.search(open(config.DOCS).read())
     assert block and block.group(2) == config.keys_markdown(), "python config.py --docs rewrites the tables"
+
+
+def test_a_sweeps_samplers_and_pruners_start_up_fit_the_study():
+    """TPE models at least two thirds of a study (its random start-up a third of the trials, Optuna's 10 would make
+    a 12-trial study random search), and the median pruner compares a trial with several complete ones (never the
+    first trial alone); a study file sets either."""
+    import sweep
+
+    assert sweep.startup_trials(sweep.StudySpec(trials=12)) == (4, 3)
+    assert sweep.startup_trials(sweep.StudySpec(trials=40)) == (13, 10)
+    assert sweep.startup_trials(sweep.StudySpec(trials=2)) == (1, 3)
+    assert sweep.startup_trials(sweep.StudySpec(trials=12, sampler_startup_trials=2, pruner_startup_trials=1)) == (2, 1)
+    pruner = sweep.pruner_of(sweep.StudySpec(trials=12, pruner="median", pruner_warmup_steps=150), 300)
+    assert (pruner._n_startup_trials, pruner._n_min_trials, pruner._n_warmup_steps) == (3, 3, 150)
+    assert sweep.sampler_of(sweep.StudySpec(trials=12))._n_startup_trials == 4
