@@ -751,7 +751,7 @@ def main(argv=None):
         output_dir = args.output_dir or os.path.join("runs", "sweeps", spec.name)
         if args.storage:  # a database that does not answer leaves no folder behind
             storage = open_storage(args.storage, spec.heartbeat_seconds)
-        os.makedirs(os.path.join(output_dir, "trials"), exist_ok=True)
+        os.makedirs(output_dir if args.report_only else os.path.join(output_dir, "trials"), exist_ok=True)
         if not args.storage:
             storage = open_storage(f"sqlite:///{os.path.abspath(output_dir)}/study.db", spec.heartbeat_seconds)
         base = parse(train_args(spec, {}, output_dir))

@@ -679,6 +679,22 @@ def convergence_line(doc: str) -> str:
             ".")
 
 
+def sweep_digits(doc: str) -> str:
+    """docs/sweeps.md: the shipped digits study's last run, from the report sweep.py wrote (its trial count, the
+    recipe against the trials that beat it, what the planner screened out) and its pictures."""
+    folder = report_dir("sweep-digits")
+    text = open(os.path.join(folder, "report.md")).read()
+    started = re.search(r"^Started (\S+) \S+ at commit (\w+)", text, re.M)
+    counts = re.search(r"^(\d+ trials: [^.]*)\.", text, re.M).group(1)
+    wanted = [line for line in text.splitlines() if line.startswith(("The recipe's own values", "Screened by",
+                                                                    "Best"))]
+    pictures = [name for name in ("pareto.png", "importances.png", "history.png")
+                if os.path.exists(os.path.join(folder, name))]
+    return (f"**The shipped study, {started.group(1)}** (`configs/sweeps/digits.yaml` at `{started.group(2)}`"
+            f"{stale_note(folder)}; [report]({link(folder, doc)})): {counts}. " + " ".join(wanted) + "\n\n" +
+            " ".join(f"![{name}]({link(folder, doc, name)})" for name in pictures))
+
+
 RENDERERS = {"policy-table": policy_table, "h200-table": h200_table, "h200-line": h200_line,
              "async-save": async_save, "trainer-line": trainer_line, "planner-suites": planner_suites,
              "benchmark-lines": benchmark_lines, "ac-costs": ac_costs, "light-figures": light_figures,
@@ -686,7 +702,7 @@ RENDERERS = {"policy-table": policy_table, "h200-table": h200_table, "h200-line"
              "task-memory": task_memory, "planner-line": planner_line, "digits-tasks": digits_tasks,
              "scaling": scaling, "ds-tuning": ds_tuning,
              "clean-clone": clean_clone, "faults-line": faults_line,
-             "convergence-line": convergence_line}
+             "convergence-line": convergence_line, "sweep-digits": sweep_digits}
 
 
 # ----------------------------------------------------------------------------- the command
