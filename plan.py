@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import sys
 from dataclasses import replace
 
@@ -188,13 +189,14 @@ def by_engine(found: list, allow_quantized: bool = False) -> str:
     ranked = sorted(best.items(), key=lambda kv: kv[1]["step_s"])
     (fast_name, fast), (slow_name, slow) = ranked[0], ranked[-1]  # the fastest engine against the slowest
     terms = {"compute": slow["compute_s"] - fast["compute_s"], "communication": slow["comm_s"] - fast["comm_s"],
+             "tensor-parallel all-reduces": slow["tp_comm_s"] - fast["tp_comm_s"],
              "offload": slow["offload"]["offload_s"] - fast["offload"]["offload_s"]}
     why, gap = max(terms.items(), key=lambda kv: kv[1])
     if slow["step_s"] - fast["step_s"] < 1e-6:
         lines.append("  they are level: no engine's step is shorter here")
     else:
         lines.append(f"  {fast_name} is {slow['step_s'] / fast['step_s']:.2f}x faster than {slow_name}, mostly by {why} "
-                     f"({gap * 1e3:.1f} ms of the {(slow['step_s'] - fast['step_s']) * 1e3:.1f} ms"
+                     f"({gap * 1e3:.1f} ms shorter; the step {(slow['step_s'] - fast['step_s']) * 1e3:.1f} ms in all"
                      + (f"; its micro-batch {fast['micro_batch_size']} against {slow['micro_batch_size']}"
                         if fast["micro_batch_size"] != slow["micro_batch_size"] else "") + ")")
     return "\n".join(lines)
@@ -226,8 +228,10 @@ def why(best: dict, found: list) -> str:
     term, gap = max(terms.items(), key=lambda kv: kv[1])  # the term the winner saves most on
     runner = f"{sharding(e)}, micro-batch {e['micro_batch_size']} x {e['grad_accum_steps']}, ac {e['ac']}"
     if e["step_s"] - best["step_s"] < 1e-6:
-        lines.append(f"why: as fast as {runner}; fewer accumulation steps, then the lower peak "
-                     f"({gib(best['peak_bytes'])} against {gib(e['peak_bytes'])} GiB) decided")
+        decided = (f"fewer accumulation steps decided ({best['grad_accum_steps']} against {e['grad_accum_steps']})"
+                   if best["grad_accum_steps"] < e["grad_accum_steps"] else
+                   f"the lower peak decided ({gib(best['peak_bytes'])} against {gib(e['peak_bytes'])} GiB)")
+        lines.append(f"why: as fast as {runner}; {decided}")
     else:
         lines.append(f"why: {(e['step_s'] - best['step_s']) * 1e3:.1f} ms a step faster than the next, {runner}: "
                      f"its {term} is {gap * 1e3:.1f} ms shorter")
@@ -276,11 +280,12 @@ def draw(estimates: list, path: str, title: str):
     plt.close(fig)
 
 
-def write_plan(best: dict, cfg, out: str, a) -> list[str]:
+def write_plan(best: dict, cfg, out: str, a, searched: str = "") -> list[str]:
     """The plan as a recipe (config.yaml: train.py's keys) that composes with the keys a run adds: the
     optimizer, the schedule and the batch are train.py's keys, never baked into an engine config. A DeepSpeed
     template other than the stage's own (ZeRO++, offload) is copied beside it as it is, its optimizer, batch and
-    precision fields "auto", which train.py fills. Returns the files written."""
+    precision fields "auto", which train.py fills. `searched`: the search's printed table and picks, kept as
+    search.md (the docs render their worked plans from it). Returns the files written."""
     import shutil
 
     import yaml
@@ -302,6 +307,10 @@ def write_plan(best: dict, cfg, out: str, a) -> list[str]:
         yaml.safe_dump({k: v for k, v in keys.items() if v != defaults[k] or k in planned}, f, sort_keys=False)
     with open(os.path.join(out, "plan.json"), "w") as f:
         json.dump(best, f, indent=1)
+    if searched:
+        with open(os.path.join(out, "search.md"), "w") as f:
+            f.write(searched + "\n")
+        written.append("search.md")
     nodes = math.ceil(a.world_size / a.ranks_per_node)
     with open(os.path.join(out, "launch.sh"), "w") as f:
         f.write("#!/bin/bash\n# one line per node (NODE_RANK 0..{n}); MASTER_ADDR: node 0's address\n".format(n=nodes - 1)
@@ -443,9 +452,11 @@ def main(argv=None):
             best = pick(found, a.allow_quantized)
             if a.json:
                 print(json.dumps({"best": best, "feasible": found[:a.top], "count": len(found)}, indent=1))
-            else:
-                print(f"{len(found)} configurations fit; the fastest {min(a.top, len(found))}:\n{table(found, a.top)}"
-                      f"{by_tp_size(found, a.allow_quantized)}{by_engine(found, a.allow_quantized)}\n\nbest:\n{describe(best)}\n{why(best, found)}")
+            searched = (f"{len(found)} configurations fit; the fastest {min(a.top, len(found))}:\n{table(found, a.top)}"
+                        f"{by_tp_size(found, a.allow_quantized)}{by_engine(found, a.allow_quantized)}\n\nbest:\n"
+                        f"{describe(best)}\n{why(best, found)}")
+            if not a.json:
+                print(searched)
             if a.picture:
                 draw(found[:a.top], a.picture, f"{cfg.model}, {a.world_size} x {device.name}, global batch "
                                                f"{a.global_batch}: the {min(a.top, len(found))} fastest that fit")
@@ -455,7 +466,7 @@ def main(argv=None):
                                  micro_batch_size=best["micro_batch_size"],
                                  grad_accum_steps=best["grad_accum_steps"], ac=best["ac"], precision=precision,
                                  ds_config=best["ds_config_template"])
-                written = write_plan(best, chosen, a.out, a)
+                written = write_plan(best, chosen, a.out, a, f"python plan.py {shlex.join(argv)}\n\n{searched}")
                 if not a.json:
                     print(f"written: {', '.join(os.path.join(a.out, w) for w in written)}")
             return 0

@@ -14,6 +14,7 @@ import argparse
 import functools
 import json
 import os
+import math
 import re
 import statistics
 import sys
@@ -198,7 +199,7 @@ def h200_table(doc: str) -> str:
 def h200_line(doc: str) -> str:
     folder, date, jobs, worker = h200_jobs()
     ips = {k: j["images_per_sec"] for k, j in jobs.items() if j.get("images_per_sec")}
-    light, none = jobs["fsdp2-zero3-light"], jobs["fsdp2-zero3-none"]
+    light = jobs["fsdp2-zero3-light"]
     compiled = jobs.get("fsdp2-zero3-none-compiled")
     peaks = [jobs[f"{e}-zero3-light"]["peak_mem_bytes"] / jobs[f"{e}-zero3-none"]["peak_mem_bytes"]
              for e in (FSDP2, DEEPSPEED)]
@@ -562,32 +563,40 @@ def digits_tasks(doc: str) -> str:
 
 
 def scaling(doc: str) -> str:
-    """docs/sweeps.md: the scaling-law fits on the digits (benchmarks.scaling's analysis.json)."""
+    """docs/sweeps.md: the scaling-law fits on the digits (benchmarks.scaling's analysis.json): each law's held-out
+    prediction, its interval and verdict (met, missed, degenerate or not measured)."""
     folder = report_dir("scaling")
     a = json.load(open(os.path.join(folder, "analysis.json")))
     grid = runs(folder)
     steps = sorted({r["steps"] for r in grid})
-    top1 = {(r["size"], r["steps"]): r["val_top1"] for r in grid}
-    two, front = a["two_term"], a["frontier"]
-    held = two["held_out"]
-    verdict = lambda f: "met" if f["met"] else "**missed**"  # noqa: E731
-    deep = max((r for r in grid if r["steps"] == steps[-1]), key=lambda r: int(r["size"].split("-d")[1]))
-    shallow = max((r for r in grid if r["steps"] == steps[-1] and r["size"].endswith("-d2")),
-                  key=lambda r: r["val_top1"])
-    text = (f"**The digits, {a['date']}** ([report]({link(folder, doc)}){stale_note(folder)}, {len(grid)} runs of "
-            f"{', '.join(map(str, steps))} steps): the two-term law {verdict(two)} its held-out run ({held['size']} at "
-            f"{held['steps']} steps: predicted {two['predicted']:.3f} [{two['interval'][0]:.3f}, "
-            f"{two['interval'][1]:.3f}], measured {held['error']:.3f}). At these budgets the deepest model trains "
-            f"worse than the shallow ones ({deep['size']} at {deep['steps']} steps: {deep['val_top1']:.1%} val top-1 "
-            f"against {shallow['size']}'s {shallow['val_top1']:.1%}), an optimisation limit the law does not "
-            f"describe")
-    if a["optimal"].get("at_edge"):
-        text += ", so it names no compute-optimal size (the minimum lies at the search's edge)"
-    text += (f". The frontier law's prediction ({front['predicted']:.3f} [{front['interval'][0]:.3f}, "
-             f"{front['interval'][1]:.3f}]) {'holds' if front['met'] else 'misses'} the measured "
-             f"{front['held_out']['error']:.3f}")
-    if front.get("at_bound"):
-        text += ", but with its exponent at its bound: it says the floor held, not that the law extrapolates"
+    seeds = sorted({r.get("seed", 0) for r in grid})
+    sizes = sorted({r["size"] for r in grid}, key=lambda s: next(r["params"] for r in grid if r["size"] == s))
+    noise = math.expm1(math.sqrt(a["noise"]["variance_of_a_mean"]))
+
+    def law(name: str, f: dict) -> str:
+        held = f["held_out"]
+        said = f"**{f['verdict']}**" + (f" ({f['why']})" if f["why"] else "")
+        return (f"the {name} predicts {held['size']} at {held['steps']} steps at {f['predicted']:.3f} "
+                f"[{f['interval'][0]:.3f}, {f['interval'][1]:.3f}], measured {held['error']:.3f}: {said}")
+
+    text = (f"**The digits, {a['date']}** ([report]({link(folder, doc)}){stale_note(folder)}, {len(grid)} runs: "
+            f"{', '.join(sizes)} x {', '.join(map(str, steps))} steps x {len(seeds)} seeds; a point's error varies "
+            f"by about {noise:.0%} from seed to seed): {law('two-term law', a['two_term'])}; "
+            f"{law('frontier law', a['frontier'])}")
+    cov = a.get("coverage")
+    if cov:
+        def held(name):
+            said = cov[name]
+            measured = said.get("met", 0) + said.get("missed", 0)
+            return (f"{said.get('met', 0)} of {measured} measured ({said.get('degenerate', 0)} of "
+                    f"{sum(said.values())} degenerate)")
+
+        text += (f". On synthetic grids of this design and noise drawn from known laws, the two-term law's interval "
+                 f"held the held-out point in {held('two_term')}, the frontier law's in {held('frontier')}")
+    if a["optimal"].get("at_bound"):
+        text += "; fitted on every point the two-term law is degenerate too, so it names no compute-optimal size"
+    elif a["optimal"].get("at_edge"):
+        text += "; the two-term law names no compute-optimal size (its minimum lies at the search's edge)"
     return text + "."
 
 
@@ -705,6 +714,32 @@ RENDERERS = {"policy-table": policy_table, "h200-table": h200_table, "h200-line"
              "convergence-line": convergence_line, "sweep-digits": sweep_digits}
 
 
+def worked_plan(doc: str, name: str) -> str:
+    """docs/planner.md: a worked plan's search as plan.py --out kept it (docs/plans/<name>/search.md): the command,
+    the table of the fastest configurations, the fastest of each tensor-parallel size and engine, and why the best
+    won."""
+    folder = os.path.join(REPO, "docs", "plans", name)
+    command, _, searched = open(os.path.join(folder, "search.md")).read().partition("\n\n")
+    lines = searched.rstrip("\n").split("\n")
+    table = [line for line in lines if line.startswith("|")]
+    picks, keep = [], False
+    for line in lines:
+        if line.startswith("the fastest of each"):
+            keep = True
+        elif line == "best:":
+            keep = False
+        if keep or line.startswith(("why:", "passed over:")):
+            picks.append(line)
+    words, wrapped = command.split(" "), [""]
+    for word in words:  # the command, wrapped at 110 characters with shell continuations
+        if len(wrapped[-1]) + len(word) > 110:
+            wrapped[-1] += "\\"
+            wrapped.append("    ")
+        wrapped[-1] += word + " "
+    return "\n".join(["```", "\n".join(w.rstrip() if not w.endswith("\\") else w for w in wrapped), "```", "",
+                      lines[0], "", *table, "", "```", *[p for p in picks if p], "```"])
+
+
 # ----------------------------------------------------------------------------- the command
 def render(doc: str, text: str) -> tuple[str, list]:
     """(the text with every figure block rendered again, the names of the blocks whose text changed)."""
@@ -712,9 +747,12 @@ def render(doc: str, text: str) -> tuple[str, list]:
 
     def one(m):
         name = m.group(2)
-        if name not in RENDERERS:
-            raise KeyError(f"{doc}: unknown figure block {name!r} (known: {', '.join(RENDERERS)})")
-        body = RENDERERS[name](doc).rstrip("\n") + "\n"
+        if name.startswith("plan-"):  # a worked plan: docs/plans/<name>/search.md
+            body = worked_plan(doc, name[len("plan-"):]).rstrip("\n") + "\n"
+        elif name not in RENDERERS:
+            raise KeyError(f"{doc}: unknown figure block {name!r} (known: {', '.join(RENDERERS)}, plan-<dir>)")
+        else:
+            body = RENDERERS[name](doc).rstrip("\n") + "\n"
         if body != m.group(3):
             changed.append(name)
         return m.group(1) + body + m.group(4)

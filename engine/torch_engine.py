@@ -9,6 +9,7 @@ runs too (engine/ds_config.py). A subclass says how its gradients are reduced: `
 micro-batch's forward and backward, `_norm_group` for the norm's all-reduce.
 """
 import contextlib
+import os
 
 import torch
 import torch.distributed as dist
@@ -165,8 +166,6 @@ class TorchEngine:
     def save_checkpoint(self, save_dir: str, tag: str, client_state: dict):
         """Every rank's shards into `save_dir/tag` (DCP), rank 0's schedule and counters beside them; the last
         act is a barrier, as DeepSpeed's: when it returns, every rank's files are complete."""
-        import os
-
         dcp_checkpoint.save(self.module, self.optimizer, os.path.join(save_dir, tag), self._extra(client_state))
         dist.barrier()
 
@@ -174,8 +173,6 @@ class TorchEngine:
         """save_checkpoint in the background: the shards copied to host memory now, written by DCP's thread while
         training goes on (its collectives on a gloo group of their own, never beside the step's); wait_checkpoint
         waits for the files."""
-        import os
-
         path = os.path.join(save_dir, tag)
         if self._checkpoint_group is None:  # every rank starts its first background write at the same step
             self._checkpoint_group = dist.new_group(backend="gloo")
@@ -197,8 +194,6 @@ class TorchEngine:
     def load_checkpoint(self, load_dir: str, tag: str):
         """(path, client_state) of the checkpoint `load_dir/tag`, loaded into this run's ranks, whatever number
         of ranks wrote it."""
-        import os
-
         path = os.path.join(load_dir, tag)
         extra = dcp_checkpoint.load(self.module, self.optimizer, path)
         self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
