@@ -410,6 +410,27 @@ def sdpa_as_on(device_type: str):
         functional.scaled_dot_product_attention = original
 
 
+# ----------------------------------------------------------------------------- autograd collectives
+def all_to_all_autograd(x: torch.Tensor, group) -> torch.Tensor:
+    """torch's functional all-to-all over `group` (equal chunks of dim 0), its backward the inverse all-to-all.
+    torch.distributed.nn's older form is deprecated from 2.13."""
+    _require("torch", "all_to_all_autograd")
+    from torch.distributed import _functional_collectives as fc
+
+    return fc.wait_tensor(fc.all_to_all_single_autograd(x, None, None, group))
+
+
+def all_gather_autograd(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """torch's functional all-gather over `group` along `dim`, its backward a summing reduce-scatter (each rank's
+    slice receives the sum of every rank's gradient of it): `all_gather_single_autograd` from 2.13,
+    `all_gather_tensor_autograd` before."""
+    _require("torch", "all_gather_autograd")
+    from torch.distributed import _functional_collectives as fc
+
+    gather = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
+    return fc.wait_tensor(gather(x.contiguous(), dim, group))
+
+
 def default_store():
     """The key-value store the default process group was formed through (the TCPStore on the master), without
     the prefixes the process group adds to its own keys, so that a tool outside the job reads a key `k` set

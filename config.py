@@ -52,6 +52,7 @@ class Config:
     zero_stage: int = 2  # DeepSpeed ZeRO stage: 1 (optimizer states), 2 (+gradients), 3 (+parameters); fsdp2: 3 reshards each block's weights after its forward, 1 and 2 keep them to the backward; ddp: unused
     replicate_degree: int = 1  # fsdp2: HSDP, the ranks form this many replicas of the model, each sharded over world size / replicate_degree ranks (set it to the number of nodes: shard within a node, replicate across; ZeRO++'s hierarchical partitioning's analogue); 1 = one shard group of every rank
     tp_size: int = 1  # tensor parallelism: ranks of a node that split each block's matrices (DeepSpeed AutoTP); data parallelism and ZeRO run over world size / tp_size
+    sp_size: int = 1  # sequence parallelism (ViT classifiers): consecutive ranks that split each image's tokens, attention by Ulysses all-to-alls (parallel/sequence.py); they read the same micro-batches, so data parallelism runs over world size / sp_size
     ds_config: str = ""  # DeepSpeed JSON template; "" = ds_configs/zero{zero_stage}.json. Its "auto" fields come from this config
     dist_timeout: float = 1800.0  # seconds a rank waits for the master's address, for the other ranks, and in any collective
     device_memory_gb: float = 0.0  # cap each rank's GPU memory at this many GiB (torch.cuda.set_per_process_memory_fraction): run as on a smaller device (an A100-40GB's 40 on an H200); 0 = the whole device
@@ -97,6 +98,11 @@ class Config:
     run_name: str = ""  # the tracked run's name; "" = the output_dir's last component
     tracking_parent: str = ""  # mlflow: the run this one nests under (sweep.py sets each trial's to the study's run)
     log_model: bool = False  # also send hf_model/ to the trackers at the end (an artifact of the run)
+
+    @property
+    def model_parallel(self) -> int:
+        """The ranks that read the same micro-batches: a tensor group (tp_size) times a sequence group (sp_size)."""
+        return self.tp_size * self.sp_size
 
 
 TRACKERS = ("tensorboard", "mlflow", "wandb")  # report_to's names (runlog/tracking.py)
@@ -286,8 +292,8 @@ def _accelerate_fsdp(env, take):
 
 
 def _check(cfg: Config):
-    positive = ("num_labels", "image_size", "tp_size", "replicate_degree", "micro_batch_size", "grad_accum_steps",
-                "max_steps", "max_bad_steps", "log_every")
+    positive = ("num_labels", "image_size", "tp_size", "sp_size", "replicate_degree", "micro_batch_size",
+                "grad_accum_steps", "max_steps", "max_bad_steps", "log_every")
     for key in positive:
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"config key '{key}' must be positive, got {getattr(cfg, key)}")

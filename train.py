@@ -56,6 +56,7 @@ from loop.timing import clock
 from models.blocks import find_blocks
 from models.registry import check_weight_files, width
 from models.tasks import meta_model, run_config, task_loss
+from parallel import sequence
 from parallel.tensor import check_tp, layout
 from runlog import tracking
 from runlog.log import RunLog
@@ -109,7 +110,7 @@ def check_run(cfg: Config, world_size: int, rank: int) -> Checked:
         raise DataError(f"{notes[0]} (strict_data)")
     for note in notes if rank == 0 else []:
         print(f"warning: {note}", file=sys.stderr)
-    epochs_to_steps(cfg, train_sources, world_size // cfg.tp_size)
+    epochs_to_steps(cfg, train_sources, world_size // cfg.model_parallel)
     names = train_sources[0].class_names if train_sources else None
     if names is not None and len(names) != cfg.num_labels:
         raise ConfigError(f"num_labels is {cfg.num_labels} but the train shards' _info.json lists {len(names)} classes")
@@ -120,6 +121,8 @@ def check_run(cfg: Config, world_size: int, rank: int) -> Checked:
     # an unknown model name or a task it cannot do raises here; a contradicting DeepSpeed JSON below
     defined = run_config(cfg)[0]
     check_tp(defined, cfg.tp_size, world_size, ranks_per_node())
+    if why := sequence.check(defined, cfg.sp_size, world_size, cfg.tp_size, cfg.task):
+        raise ConfigError(why)
     if os.path.isdir(cfg.model):  # a cut-off copy of its weights fails here, by name, not inside transformers
         check_weight_files(cfg.model)
     defined_model = meta_model(cfg)  # the model as defined, on meta
@@ -132,7 +135,7 @@ def check_run(cfg: Config, world_size: int, rank: int) -> Checked:
         frozen_names(list(shapes), cfg.freeze)
     _, config = engine_config(cfg, width(defined), world_size)  # the engine's own contradictions raise here
     check_policy(cfg.ac, "cuda" if torch.cuda.is_available() else "cpu")
-    data_ranks = world_size // cfg.tp_size  # the ranks of a tensor group read the same micro-batches
+    data_ranks = world_size // cfg.model_parallel  # the ranks of a tensor or sequence group read the same batches
     streams = cfg.data_streams and not synthetic
     if streams and (why := check_streams(cfg.data_streams, data_ranks, cfg.grad_accum_steps, cfg.num_workers)):
         raise ConfigError(f"data_streams: {why}")
@@ -178,7 +181,7 @@ def epochs_to_steps(cfg: Config, train_sources: list, data_ranks: int):
         raise ConfigError("epochs and warmup_epochs need the train shards' sample counts, from the _info.json "
                           "data/make_shards.py writes beside them (or synthetic data has none): give max_steps and "
                           "warmup_steps instead")
-    per_epoch = sum(counts) / images_per_step(cfg, data_ranks * cfg.tp_size)
+    per_epoch = sum(counts) / images_per_step(cfg, data_ranks * cfg.model_parallel)
     if cfg.epochs:
         cfg.max_steps = max(1, math.ceil(cfg.epochs * per_epoch))
     if cfg.warmup_epochs:
@@ -193,8 +196,8 @@ class Run:
     rank: int
     world_size: int
     local_world: int  # ranks on this node
-    data_rank: int  # this rank's tensor group among the data-parallel ones (its rank without tensor parallelism)
-    tp_rank: int  # this rank within its tensor group (parallel/tensor.py)
+    data_rank: int  # this rank's tensor or sequence group among the data-parallel ones
+    tp_rank: int  # this rank within its tensor or sequence group (parallel/tensor.py, parallel/sequence.py)
     device: torch.device
     heartbeat: Heartbeat  # where this rank is; a dead or stalled rank stops the others within dist_timeout
     preemption: Preemption  # SIGTERM/SIGUSR1: finish the step, checkpoint, exit
@@ -203,8 +206,8 @@ class Run:
 
     @property
     def data_ranks(self) -> int:
-        """world_size / tp_size: the micro-batches of one accumulation step, read in parallel."""
-        return self.world_size // self.cfg.tp_size
+        """world_size / (tp_size x sp_size): the micro-batches of one accumulation step, read in parallel."""
+        return self.world_size // self.cfg.model_parallel
 
 
 def check_input(argv, rank: int, world_size: int) -> tuple[Config, Checked]:
@@ -239,7 +242,7 @@ def setup(argv) -> Run:
     # an exception on any rank ends the job in seconds, its traceback in errors/rank<N>.txt, the logs flushed
     flush_logs = []
     fail_fast(heartbeat, cfg.output_dir, flush_logs)
-    data_rank, tp_rank = layout(rank, cfg.tp_size)
+    data_rank, tp_rank = layout(rank, cfg.model_parallel)
     run = Run(cfg, checked, rank, world_size, local_world, data_rank, tp_rank, device, heartbeat,
               Preemption(cfg.preempt_grace), flush_logs, os.path.join(cfg.output_dir, "checkpoints"))
     if rank == 0:
@@ -376,7 +379,8 @@ def open_log(run: Run, model: Model, start: Start, data: Data) -> RunLog:
         print(f"{cfg.model}: {model.n_params / 1e6:.2f}M params | {sharding} | {model.engine.optimizer_name} | "
               f"{model.precision} | world size {world_size} ({world_size // local_world} node(s) x {local_world}, "
               f"{run.device.type}, {torch.get_num_threads()} threads per rank)"
-              + (f" = {run.data_ranks} data x {cfg.tp_size} tensor parallel" if cfg.tp_size > 1 else "") +
+              + (f" = {run.data_ranks} data x {cfg.tp_size} tensor parallel" if cfg.tp_size > 1 else "")
+              + (f" = {run.data_ranks} data x {cfg.sp_size} sequence parallel" if cfg.sp_size > 1 else "") +
               f" | global batch {images_per_step(cfg, world_size)} = {cfg.micro_batch_size} micro x "
               f"{cfg.grad_accum_steps} accum x {run.data_ranks} ranks | steps {start.step}->"
               f"{cfg.max_steps}" + (f" ({cfg.epochs:g} epochs)" if cfg.epochs else "") + f" | data {cfg.data_mode}"
@@ -392,7 +396,7 @@ def open_log(run: Run, model: Model, start: Start, data: Data) -> RunLog:
 
 
 def images_per_step(cfg: Config, world_size: int) -> int:
-    return cfg.micro_batch_size * cfg.grad_accum_steps * world_size // cfg.tp_size
+    return cfg.micro_batch_size * cfg.grad_accum_steps * world_size // cfg.model_parallel
 
 
 # ---------------------------------------------------------------------------------------------------- step

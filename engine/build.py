@@ -1,9 +1,11 @@
 """Turn an unmodified Hugging Face model into a training engine: the one place a model is built for training and
-wrapped (activation checkpointing, then compile and the engine, in the engine's `wrap`). train.py, the benchmark
+wrapped (sequence parallelism's hooks here, then activation checkpointing, compile and the engine, in the engine's
+`wrap`). train.py, the benchmark
 worker and the equivalence tests all come through here."""
 import functools
 
 import torch
+import torch.distributed as dist
 
 import compat
 from config import Config
@@ -13,6 +15,7 @@ from engine.registry import engine_class
 from loop.optim import freeze
 from models import build_model
 from models.tasks import build_task_model
+from parallel import sequence
 
 
 def engine_config(cfg: Config, hidden_size: int, world_size: int) -> tuple[str, dict]:
@@ -23,8 +26,8 @@ def engine_config(cfg: Config, hidden_size: int, world_size: int) -> tuple[str, 
 
 def build_training_model(cfg: Config, engine_config: dict, class_names=None, log=None):
     """(model, image processor) of a run, initial weights from `cfg.seed` alone (or pretrained ones), created as
-    its engine needs it (ZeRO-3: partitioned as it is made), with its stochastic depth and the parameters
-    `cfg.freeze` names frozen."""
+    its engine needs it (ZeRO-3: partitioned as it is made), with its stochastic depth, its tokens split over
+    `cfg.sp_size` ranks, and the parameters `cfg.freeze` names frozen."""
     if cfg.task == "classification":
         build = functools.partial(build_model, cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size, class_names,
                                   seed=cfg.seed, drop_path=cfg.drop_path, log=log)
@@ -33,6 +36,8 @@ def build_training_model(cfg: Config, engine_config: dict, class_names=None, log
                                   cfg.patch_size, seed=cfg.seed, drop_path=cfg.drop_path, class_names=class_names,
                                   mask_ratio=cfg.mask_ratio)
     model, processor = engine_class(cfg.engine).build_model(build, cfg, engine_config)
+    if cfg.sp_size > 1:  # the tokens split over each group of sp_size ranks (parallel/sequence.py)
+        sequence.apply(model, cfg.sp_size, dist.get_rank(), dist.get_world_size())
     if cfg.freeze:
         frozen = freeze(model, cfg.freeze)
         if log:

@@ -59,11 +59,11 @@ def batches(engine, loader, normalize, dtype, device):
 @torch.no_grad()
 def evaluate(engine, loader, normalize, dtype, device, cfg, data_rank: int = 0, data_ranks: int = 1) -> Evaluation:
     """`cfg.task`'s evaluation over the whole validation set. The loader's uint8 images are normalised on the
-    device (`normalize`). The ranks of a tensor group (cfg.tp_size) evaluate the same batches: their counts are
-    divided out. Masks of the pretraining tasks come from (seed, VAL_STEP, the batch's slot among all ranks')."""
+    device (`normalize`). The ranks of a tensor or sequence group (cfg.model_parallel) evaluate the same batches:
+    their counts are divided out. Masks of the pretraining tasks come from (seed, VAL_STEP, the batch's slot among all ranks')."""
     engine.eval()
     if cfg.task == "classification":
-        result = _classification(engine, loader, normalize, dtype, device, cfg.num_labels, cfg.tp_size)
+        result = _classification(engine, loader, normalize, dtype, device, cfg.num_labels, cfg.model_parallel)
     elif cfg.task == "segmentation":
         result = _segmentation(engine, loader, normalize, dtype, device, cfg.num_labels)
     else:

@@ -1,0 +1,50 @@
+"""Sequence parallelism (parallel/sequence.py) in real train.py runs: two ranks that split each image's tokens
+train as one rank does, under FSDP2 and ZeRO-3, and export a model that runs without them."""
+import pytest
+import torch
+from conftest import check_input, launch, read_metrics
+
+
+def test_two_ranks_splitting_the_tokens_train_as_one_rank_does(debug_args, tmp_path):
+    """vit-debug at 16 px has 65 tokens with its CLS token (odd: padded to 66, the padding masked out of every
+    softmax). 10 steps with stochastic depth on one rank, and on two ranks with sp_size 2 (one data rank: the same
+    global batch) under FSDP2 and under ZeRO-3: the same losses and gradient norms within fp32 reduction order
+    (1e-5 relative), the same val top-1, and exported models whose logits agree (the export runs without the
+    split: transformers' own attention); `ac selective` under it gives bitwise the steps of `none`."""
+    args = debug_args + ["--model", "vit-debug", "--max_steps", "10", "--eval_every", "10", "--save_every", "0",
+                         "--drop_path", "0.1"]
+    one = tmp_path / "one"
+    launch(args + ["--engine", "fsdp2", "--output_dir", one], nproc=1)
+    expected = read_metrics(one)
+    runs = {"fsdp2": ["--engine", "fsdp2"], "zero3": ["--engine", "deepspeed", "--zero_stage", "3"]}
+    from transformers import AutoModelForImageClassification
+
+    images = torch.randn(4, 3, 16, 16)
+    with torch.no_grad():
+        logits = AutoModelForImageClassification.from_pretrained(one / "hf_model").eval()(pixel_values=images).logits
+    for name, engine in runs.items():
+        out = tmp_path / name
+        proc = launch(args + engine + ["--sp_size", "2", "--output_dir", out])
+        assert "= 1 data x 2 sequence parallel | global batch 16 = 16 micro x 1 accum x 1 ranks" in proc.stdout
+        got = read_metrics(out)
+        train = [(a, b) for a, b in zip(expected, got) if "loss" in a]
+        assert len(train) == 10 and [b["step"] for _, b in train] == list(range(1, 11))
+        for a, b in train:
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (name, a["step"])
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), (name, a["step"])
+        evals = [(a, b) for a, b in zip(expected, got) if "val_top1" in a]
+        assert evals and all(b["val_top1"] == a["val_top1"] for a, b in evals), name
+        if name == "fsdp2":  # activation checkpointing recomputes through the all-to-alls: bitwise the same steps
+            policy = tmp_path / "fsdp2-selective"
+            launch(args + engine + ["--sp_size", "2", "--ac", "selective", "--output_dir", policy])
+            assert [(r.get("loss"), r.get("grad_norm")) for r in read_metrics(policy)] == \
+                [(r.get("loss"), r.get("grad_norm")) for r in got]
+        model = AutoModelForImageClassification.from_pretrained(out / "hf_model").eval()
+        assert model.config._attn_implementation != "sequence_parallel"
+        with torch.no_grad():
+            torch.testing.assert_close(model(pixel_values=images).logits, logits, rtol=1e-4, atol=1e-5)
+
+
+def test_an_sp_size_that_does_not_divide_the_ranks_is_one_line(debug_args, capsys, monkeypatch):
+    code, err = check_input(debug_args + ["--sp_size", "2"], capsys, monkeypatch)
+    assert code == 2 and err == ["error: sp_size 2 does not divide the world size (1)"], err

@@ -1,0 +1,26 @@
+"""parallel/sequence.py's input checks: what sequence parallelism refuses, each in one line, on the models' own
+configs (no process: the runs are in tests/integration/test_sequence_parallel.py)."""
+import pytest
+
+from models.registry import model_config
+from parallel import sequence
+
+
+@pytest.mark.parametrize("model, sp, world, tp, task, says", [
+    ("vit-digits", 2, 2, 1, "classification", None),
+    ("vit-digits", 1, 3, 1, "mae", None),  # sp_size 1: nothing to check
+    ("vit-digits", 3, 4, 1, "classification", "sp_size 3 does not divide the world size (4)"),
+    ("vit-digits", 2, 4, 2, "classification", "with tp_size > 1"),
+    ("vit-digits", 2, 2, 1, "mae", "with task mae"),
+    ("swin-debug", 2, 2, 1, "classification", "with a swin model"),
+    ("vit-digits", 8, 8, 1, "classification", "does not divide the model's 4 attention heads"),
+])
+def test_what_sequence_parallelism_refuses(model, sp, world, tp, task, says):
+    why = sequence.check(model_config(model, 10, 16 if model == "vit-digits" else 32), sp, world, tp, task)
+    assert (why is None) if says is None else (says in why), why
+
+
+def test_attention_dropout_is_refused_where_ranks_would_draw_it_apart():
+    config = model_config("vit-digits", 10, 16)
+    config.attention_probs_dropout_prob = 0.1
+    assert "attention dropout" in sequence.check(config, 2, 2)
