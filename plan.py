@@ -43,6 +43,9 @@ def cluster_args(argv):
     parser.add_argument("--tp_sizes", default="",
                         help="tensor-parallel sizes a search tries, comma-separated (default: tp_size if the "
                              "configuration sets it above 1, else every power of two the model and nodes allow)")
+    parser.add_argument("--sp_sizes", default="",
+                        help="sequence-parallel sizes a search tries, comma-separated (ViT classifiers; default: the "
+                             "recipe's sp_size): each splits the tokens over that many ranks of a node")
     parser.add_argument("--top", type=int, default=10, help="configurations listed by a search")
     parser.add_argument("--allow_quantized", action="store_true",
                         help="let a search pick a configuration that changes the arithmetic (ZeRO++'s int8 weights "
@@ -106,8 +109,9 @@ def describe(e: dict) -> str:
     lines = [f"{e['model']} ({e['params'] / 1e9:.3f}B params" + (" per rank of a tensor group" if tp > 1 else "")
              + f"), {e['image_size']}px, {e['precision']} | {sharding(e)}"
              + (f" x tensor parallel {tp}" if tp > 1 else "")
+             + (f" x sequence parallel {e['sp_size']}" if e.get("sp_size", 1) > 1 else "")
              + f" | micro-batch {e['micro_batch_size']} x {e['grad_accum_steps']} accumulation x "
-             f"{e['world_size'] // tp} {'data-parallel ' if tp > 1 else ''}ranks "
+             f"{e['world_size'] // tp // e.get('sp_size', 1)} {'data-parallel ' if tp * e.get('sp_size', 1) > 1 else ''}ranks "
              f"= {e['global_batch']} images | ac {e['ac']} {e['plan']} | {e['world_size']} x {e['device']}, "
              f"{e['ranks_per_node']} per node",
              "per-rank peak memory (GiB): " + ", ".join(f"{k} {gib(v)}" for k, v in m.items())
@@ -127,6 +131,9 @@ def describe(e: dict) -> str:
              + (f" + tensor-parallel all-reduces {e['tp_comm_s'] * 1e3:.1f} ms ("
                 f"{e['tp_comm_bytes_per_step_per_rank'] / 1e9:.2f} GB per rank within the node, not hidden)"
                 if tp > 1 else "")
+             + (f" + sequence-parallel all-to-alls {e['sp_comm_s'] * 1e3:.1f} ms ("
+                f"{e['sp_comm_bytes_per_step_per_rank'] / 1e9:.2f} GB per rank within the node, not hidden)"
+                if e.get("sp_size", 1) > 1 else "")
              + (f" + offload {e['offload']['offload_s'] * 1e3:.1f} ms" if e["offload"]["offload_s"] else "")
              + f" | {e['images_per_s']:.0f} images/s"]
     h = e["host"]
@@ -146,8 +153,8 @@ def describe(e: dict) -> str:
     return "\n".join(lines)
 
 
-def tp_candidates(text: str):
-    """--tp_sizes as a list of sizes (None: the search's default)."""
+def tp_candidates(text: str, flag: str = "--tp_sizes"):
+    """--tp_sizes (or --sp_sizes) as a list of sizes (None: the search's default)."""
     if not text:
         return None
     try:
@@ -155,12 +162,29 @@ def tp_candidates(text: str):
     except ValueError:
         sizes = [0]
     if sizes[0] < 1:
-        raise ConfigError(f"--tp_sizes takes positive integers, comma-separated; got '{text}'")
+        raise ConfigError(f"{flag} takes positive integers, comma-separated; got '{text}'")
     return sizes
+
+
+def by_sp_size(found: list, allow_quantized: bool = False) -> str:
+    """The pick (`pick`) of each sequence-parallel size searched, against the one without it."""
+    sizes = {e["sp_size"] for e in found}
+    if len(sizes) < 2:
+        return ""
+    best = {sp: pick([e for e in found if e["sp_size"] == sp], allow_quantized) for sp in sizes}
+    lines = ["", "", "the fastest of each sequence-parallel size:"]
+    plain = best.get(1)
+    for sp, e in sorted(best.items()):
+        against = f", {e['images_per_s'] / plain['images_per_s']:.2f}x sp 1's" if plain and sp > 1 else ""
+        lines.append(f"  sp {sp}: {sharding(e)}, micro-batch {e['micro_batch_size']} x "
+                     f"{e['grad_accum_steps']}, ac {e['ac']}: {e['step_s']:.3f} s a step, {e['images_per_s']:.0f} "
+                     f"images/s, peak {gib(e['peak_bytes'])} GiB, all-to-alls {e['sp_comm_s'] * 1e3:.0f} ms{against}")
+    return "\n".join(lines)
 
 
 def by_tp_size(found: list, allow_quantized: bool = False) -> str:
     """The pick (`pick`) of each tensor-parallel size searched, against the one without it."""
+    found = [e for e in found if e["sp_size"] == 1]
     best = {tp: pick([e for e in found if e["tp_size"] == tp], allow_quantized) for tp in {e["tp_size"] for e in found}}
     if len(best) < 2:
         return ""
@@ -239,12 +263,16 @@ def why(best: dict, found: list) -> str:
 
 
 def table(found: list, top: int) -> str:
-    rows = ["| # | engine (++: ZeRO++, off: offload; *: changes the arithmetic) | TP | micro | accum | ac | peak GiB | "
-            "step s | images/s | compute s | comm s | TP comm s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    sp = any(e["sp_size"] > 1 for e in found)  # the sequence-parallel columns when the search tried it
+    rows = ["| # | engine (++: ZeRO++, off: offload; *: changes the arithmetic) | TP |" + (" SP |" if sp else "")
+            + " micro | accum | ac | peak GiB | step s | images/s | compute s | comm s | TP comm s |"
+            + (" SP comm s |" if sp else ""), "|---" * (12 + 2 * sp) + "|"]
     for i, e in enumerate(found[:top]):
-        rows.append(f"| {i + 1} | {sharding(e)}{' *' if e.get('numerics') else ''} | {e['tp_size']} | {e['micro_batch_size']} | "
+        rows.append(f"| {i + 1} | {sharding(e)}{' *' if e.get('numerics') else ''} | {e['tp_size']} | "
+                    + (f"{e['sp_size']} | " if sp else "") + f"{e['micro_batch_size']} | "
                     f"{e['grad_accum_steps']} | {e['ac']} | {gib(e['peak_bytes'])} | {e['step_s']:.3f} | "
-                    f"{e['images_per_s']:.0f} | {e['compute_s']:.3f} | {e['comm_s']:.3f} | {e['tp_comm_s']:.3f} |")
+                    f"{e['images_per_s']:.0f} | {e['compute_s']:.3f} | {e['comm_s']:.3f} | {e['tp_comm_s']:.3f} |"
+                    + (f" {e['sp_comm_s']:.3f} |" if sp else ""))
     return "\n".join(rows)
 
 
@@ -440,7 +468,8 @@ def main(argv=None):
             # both engines, unless --engine names one
             engines = [cfg.engine] if any(x == "--engine" or x.startswith("--engine=") for x in rest) else None
             found = search(cfg, ds_for, precision, a.world_size, a.ranks_per_node, device, a.global_batch, mfu,
-                           a.overlap, mbu=mbu, rates=rates, tp=tp_candidates(a.tp_sizes), engines=engines)
+                           a.overlap, mbu=mbu, rates=rates, tp=tp_candidates(a.tp_sizes, "--tp_sizes"),
+                           sp=tp_candidates(a.sp_sizes, "--sp_sizes"), engines=engines)
             if not found:
                 smallest, with_offload = smallest_cluster(cfg, ds_for, precision, a.ranks_per_node, device)
                 raise ConfigError(
@@ -453,7 +482,8 @@ def main(argv=None):
             if a.json:
                 print(json.dumps({"best": best, "feasible": found[:a.top], "count": len(found)}, indent=1))
             searched = (f"{len(found)} configurations fit; the fastest {min(a.top, len(found))}:\n{table(found, a.top)}"
-                        f"{by_tp_size(found, a.allow_quantized)}{by_engine(found, a.allow_quantized)}\n\nbest:\n"
+                        f"{by_tp_size(found, a.allow_quantized)}{by_sp_size(found, a.allow_quantized)}"
+                        f"{by_engine(found, a.allow_quantized)}\n\nbest:\n"
                         f"{describe(best)}\n{why(best, found)}")
             if not a.json:
                 print(searched)
@@ -462,6 +492,7 @@ def main(argv=None):
                                                f"{a.global_batch}: the {min(a.top, len(found))} fastest that fit")
             if a.out:
                 chosen = replace(cfg, engine=best["engine"], zero_stage=best["zero_stage"], tp_size=best["tp_size"],
+                                 sp_size=best["sp_size"],
                                  replicate_degree=best["replicate_degree"],
                                  micro_batch_size=best["micro_batch_size"],
                                  grad_accum_steps=best["grad_accum_steps"], ac=best["ac"], precision=precision,

@@ -125,6 +125,20 @@ class Profile(list):
         out.moved_bytes = round(self.moved_bytes * factor)
         return out
 
+    def sequence_share(self, sp_size: int) -> "Profile":
+        """One rank's share under sequence parallelism (parallel/sequence.py): each block's activations, FLOPs and
+        traffic an sp_size-th (its tokens through the norms, MLP and residuals, its heads through attention); the
+        stem, the final norm and the head whole on every rank of the group. The padding of a token count that
+        sp_size does not divide is not counted."""
+        if sp_size == 1:
+            return self
+        out = Profile(p.scaled(1 / sp_size) for p in self)
+        out.bytes_outside, out.grad_outside, out.ops = self.bytes_outside, self.grad_outside, self.ops
+        flops, moved = sum(p.flops for p in self), sum(p.moved for p in self)
+        out.forward_flops = round(self.forward_flops - flops + flops / sp_size)
+        out.moved_bytes = round(self.moved_bytes - moved + moved / sp_size)
+        return out
+
 
 def _is_parameter(t: torch.Tensor) -> bool:
     """A parameter or a view of one (a linear saves its weight transposed), whatever storage it has now."""

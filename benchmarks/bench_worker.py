@@ -43,6 +43,7 @@ from engine.fsdp2 import shard
 from engine.memory import fsdp2_memory_bytes
 from engine.build import build_engine, build_training_model, engine_config
 from engine.parallelize import apply_ac
+from parallel import sequence
 from parallel.tensor import layout
 from loop.timing import clock
 from models import build_model, find_blocks, model_config, width
@@ -71,6 +72,7 @@ class Spec:
     ds_config: str = ""  # deepspeed: a DeepSpeed JSON template (run config key ds_config); "" = ds_configs/zero{zero}.json
     compile: bool = False  # torch.compile: DeepSpeed's engine.compile() (train.py's); FSDP2 each block in place
     tp_size: int = 1  # deepspeed: tensor parallelism (train.py's tp_size); a tensor group's ranks see one batch
+    sp_size: int = 1  # sequence parallelism (train.py's sp_size): a sequence group's ranks see one batch
     task: str = "classification"  # train.py's task: classification | mae | simmim | segmentation
     mask_ratio: float = 0.75  # mae, simmim
     mask_patch_size: int = 32  # simmim
@@ -81,7 +83,7 @@ def batch(spec: Spec, rank: int, step: int):
     """The rank's images and targets of one optimizer step, micro-batches together: a step's draws depend on
     the seed, the data-parallel rank and the step, not on how the step is cut into micro-batches. Targets: a
     class per image, or for segmentation a class per pixel."""
-    g = torch.Generator().manual_seed(spec.seed * 1_000_003 + layout(rank, spec.tp_size)[0] * 1009 + step)
+    g = torch.Generator().manual_seed(spec.seed * 1_000_003 + layout(rank, spec.tp_size * spec.sp_size)[0] * 1009 + step)
     n = spec.micro_batch_size * spec.grad_accum_steps
     images = torch.randn(n, 3, spec.image_size, spec.image_size, generator=g)
     shape = (n, spec.image_size, spec.image_size) if spec.task == "segmentation" else (n,)
@@ -95,7 +97,8 @@ def run_config(spec: Spec) -> Config:
     return Config(model=spec.model, num_labels=spec.num_labels, image_size=spec.image_size,
                   patch_size=spec.patch_size, zero_stage=spec.zero, ac="none" if spec.ac.startswith("hf:") else spec.ac,
                   micro_batch_size=spec.micro_batch_size, grad_accum_steps=spec.grad_accum_steps, warmup_steps=20, max_steps=100, seed=spec.seed,
-                  ds_config=spec.ds_config, compile=spec.compile, tp_size=spec.tp_size, task=spec.task,
+                  ds_config=spec.ds_config, compile=spec.compile, tp_size=spec.tp_size, sp_size=spec.sp_size,
+                  task=spec.task,
                   mask_ratio=spec.mask_ratio, mask_patch_size=spec.mask_patch_size)
 
 
@@ -267,6 +270,7 @@ def main(argv=None):
                 spec.model, spec.num_labels, spec.image_size, spec.patch_size)), world_size)[1])
         elif spec.task == "classification":
             model, _ = build_model(spec.model, spec.num_labels, spec.image_size, spec.patch_size, seed=spec.seed)
+            sequence.apply(model, spec.sp_size, rank, world_size)  # as build_training_model does
         else:
             model, _ = build_task_model(spec.model, spec.task, spec.num_labels, spec.image_size, spec.patch_size,
                                         seed=spec.seed, mask_ratio=spec.mask_ratio,
@@ -331,7 +335,7 @@ def main(argv=None):
     dist.all_gather(gathered, figures)
     if rank == 0:
         timed = times[timed_steps.start - 1:timed_steps.stop - 1]
-        global_batch = spec.micro_batch_size * spec.grad_accum_steps * world_size // spec.tp_size
+        global_batch = spec.micro_batch_size * spec.grad_accum_steps * world_size // (spec.tp_size * spec.sp_size)
         # one figure, every rank (None: not measured)
         column = lambda i: [int(g[i]) if math.isfinite(g[i]) else None for g in gathered]  # noqa: E731
         result = {"spec": dataclasses.asdict(spec), "world_size": world_size, "device": device.type,

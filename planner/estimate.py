@@ -36,6 +36,16 @@ def tp_allreduce_bytes(prof, plan, tp_size: int) -> float:
     return passes * 2 * (tp_size - 1) / tp_size
 
 
+def sp_alltoall_bytes(prof, plan, sp_size: int) -> float:
+    """Bytes a rank sends per micro-batch in its sequence group's all-to-alls (parallel/sequence.py): four per
+    block (Q, K, V and the attention's output), each of the rank's share of the block's input, in the forward,
+    four more in the backward and four more in a block recomputed whole; an all-to-all sends (N-1)/N of it."""
+    if sp_size == 1:
+        return 0.0
+    passes = sum(4 * (2 + (how == "full")) * p.bytes_full for p, how in zip(prof, plan))
+    return passes * (sp_size - 1) / sp_size
+
+
 def _blocks_of(prof):
     """Stand-ins for the model's blocks where only their profile is known (what choose_plan reads)."""
     return [Block(name=p.name, module=None, index=i, stage=p.stage) for i, p in enumerate(prof)]
@@ -59,11 +69,17 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
 
     Under tensor parallelism (`cfg.tp_size`) the profile is one rank's share of the model (ac/profile.py), ZeRO
     partitions that share over the world_size / tp_size data-parallel ranks, and the tensor group's all-reduces
-    (tp_allreduce_bytes) run over the node's links between the operators that need them: not overlapped."""
+    (tp_allreduce_bytes) run over the node's links between the operators that need them: not overlapped. Under
+    sequence parallelism (`cfg.sp_size`) the blocks' profile is a rank's share of the tokens
+    (Profile.sequence_share), ZeRO still partitions over every rank, the sp_size ranks of a group read one
+    micro-batch, and the all-to-alls (sp_alltoall_bytes) run over the node's links, not overlapped."""
     prof, n_params, largest = measured or profile_model(cfg, target(device), DTYPES[precision])
+    sp = cfg.sp_size
+    prof = prof.sequence_share(sp)  # a rank's share of the blocks' tokens
     fwd_flops, n_ops = prof.forward_flops / cfg.micro_batch_size, prof.ops
     tp = cfg.tp_size
     data_ranks = world_size // tp  # ZeRO's partitions and the data-parallel collectives: over these
+    batch_ranks = data_ranks // sp  # the ranks that read different micro-batches (a sequence group reads one)
     engine = engine_class(cfg.engine)
     # the stem, the final norm and the head: the parameters outside the blocks
     sizes = Sizes(n_params, n_params - sum(p.params for p in prof), largest)
@@ -114,6 +130,8 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
     comm_s = intra / (device.intra_gbs * 1e9) + inter / (device.inter_gbs * 1e9)
     tp_bytes = tp_allreduce_bytes(prof, plan, tp) * cfg.grad_accum_steps
     tp_s = tp_bytes / (device.intra_gbs * 1e9)
+    sp_bytes = sp_alltoall_bytes(prof, plan, sp) * cfg.grad_accum_steps
+    sp_s = sp_bytes / (device.intra_gbs * 1e9)  # a sequence group within a node, between the operators
     zeropp = cfg.zero_stage == 3 and bool(zero.get("zero_quantized_weights") or zero.get("zero_quantized_gradients")
                                           or zero.get("zero_hpz_partition_size", 1) > 1)
     # ZeRO-Offload: the gradient partition goes to the host and the updated weights come back every step, the
@@ -126,7 +144,7 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
     node_ranks = min(ranks_per_node, world_size)
     host_adam_s = part * node_ranks / HOST_ADAM_PARAMS_PER_S if optimizer_off else 0.0
     offload_s = host_bytes / (device.host_gbs * 1e9) + host_adam_s
-    step_s = compute_s + (1 - overlap) * comm_s + tp_s + offload_s
+    step_s = compute_s + (1 - overlap) * comm_s + tp_s + sp_s + offload_s
     capacity = (device.memory_gib - RESERVED_GIB) * (1 - ALLOCATOR_MARGIN) * GiB
     host = offloaded_bytes(n_params, cfg.zero_stage, data_ranks, precision, ds_config)
     host_fits = host * node_ranks <= device.host_memory_gib * GiB * (1 - ALLOCATOR_MARGIN)
@@ -137,7 +155,7 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
         "micro_batch_size": cfg.micro_batch_size,
         "grad_accum_steps": cfg.grad_accum_steps, "ac": cfg.ac, "plan": {h: plan.count(h) for h in set(plan)},
         "world_size": world_size, "ranks_per_node": ranks_per_node, "device": device.name, "tp_size": tp,
-        "global_batch": images * data_ranks,
+        "sp_size": sp, "global_batch": images * batch_ranks,
         "memory": {**{k: v for k, v in parts.items() if k != "optimizer_step_temporaries"},
                    "activations": activations, "optimizer_step_temporaries": parts["optimizer_step_temporaries"]},
         "peak_bytes": peak, "peak_moment": "backward" if peak > fixed["optimizer_step"] else "optimizer_step",
@@ -150,9 +168,10 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
         "comm_bytes_per_step_per_rank": sent, "comm_bytes_between_nodes": inter, "zeropp": bool(zeropp),
         "numerics": engine.numerics(cfg, ds_config),
         "tp_comm_bytes_per_step_per_rank": tp_bytes, "tp_comm_s": tp_s,
+        "sp_comm_bytes_per_step_per_rank": sp_bytes, "sp_comm_s": sp_s,
         "ds_config_template": cfg.ds_config, "compute_s": compute_s, "memory_bound_s": memory_s, "comm_s": comm_s,
         "step_s": step_s, "memory_bytes_per_step_per_rank": moved * cfg.grad_accum_steps + optimizer_moved,
-        "images_per_s": images * data_ranks / step_s,
+        "images_per_s": images * batch_ranks / step_s,
         "calibrated": {k: v for k, v in rates.items() if k != "host"} if rates else None,
         "host": {"micro_s": host_micro_s, "device_micro_s": device_micro_s, "bound": host_micro_s > device_micro_s,
                  "saturating_micro_batch": saturating, "measured": bool(probed)},

@@ -7,6 +7,7 @@ from engine.deepspeed_zero import OFFLOAD_TEMPLATE, DeepSpeedEngine
 from engine.ds_config import DTYPES
 from engine.registry import ENGINES
 from models.registry import model_config
+from parallel import sequence
 from parallel.tensor import check_tp
 from planner.devices import DEFAULT_MBU, DEFAULT_MFU, Device, target
 from planner.estimate import estimate
@@ -30,32 +31,50 @@ def tp_sizes(cfg: Config, world_size: int, ranks_per_node: int) -> list:
 
 def search(cfg: Config, ds_config_for, precision: str, world_size: int, ranks_per_node: int, device: Device,
            global_batch: int, mfu: float = DEFAULT_MFU, overlap: float = 0.0, policies=None,
-           mbu: float = DEFAULT_MBU, rates=None, tp=None, engines=None) -> list:
+           mbu: float = DEFAULT_MBU, rates=None, tp=None, engines=None, sp=None) -> list:
     """Every (engine and its variant, tensor-parallel size, micro-batch, accumulation, ac policy) whose global batch
     is `global_batch` and whose peak fits, fastest first. `ds_config_for(cfg)`: the engine config of a candidate.
     `engines`: the engines to try (default every one in engine/registry.py), each with the variants its
     `search_variants` lists (DeepSpeed: ZeRO 1 to 3, offload, ZeRO++ across nodes; FSDP2: resharding or not,
-    HSDP across nodes; DDP). `tp`: the tensor-parallel sizes to try (default tp_sizes()), each checked against the model and
-    cluster. `rates`: a calibration of cfg's micro-batch (estimate()), which then is the only micro-batch and the
-    only tensor-parallel size (cfg's) searched."""
-    if global_batch % world_size:
-        raise ConfigError(f"global batch {global_batch} is not a multiple of the world size {world_size}")
+    HSDP across nodes; DDP). `tp`: the tensor-parallel sizes to try (default tp_sizes()), each checked against the
+    model and cluster. `sp`: the sequence-parallel sizes to try (default cfg.sp_size), each checked against the
+    model (parallel/sequence.py) and within a node, and searched without tensor parallelism (they do not compose).
+    `rates`: a calibration of cfg's micro-batch (estimate()), which then is the only micro-batch and the only
+    tensor-parallel size (cfg's) searched."""
     policies = policies or ("none", "light", "selective", "full")
     found = []
     if tp:
         model = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size)
         for size in tp:
             check_tp(model, size, world_size, ranks_per_node)
-    for size in [cfg.tp_size] if rates else tp or tp_sizes(cfg, world_size, ranks_per_node):
-        per_rank = global_batch // (world_size // size)  # images per data-parallel rank
+    layouts = [(size, cfg.sp_size if size == 1 else 1)
+               for size in ([cfg.tp_size] if rates else tp or tp_sizes(cfg, world_size, ranks_per_node))]
+    for split in sp or []:  # each sequence-parallel size, without tensor parallelism
+        model = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size)
+        if why := sequence.check(model, split, world_size, 1, cfg.task):
+            raise ConfigError(f"--sp_sizes: {why}")
+        if split > ranks_per_node:
+            raise ConfigError(f"--sp_sizes: a sequence group of {split} ranks spans nodes ({ranks_per_node} per node)")
+        layouts.append((1, split))
+    layouts, profiles = list(dict.fromkeys(layouts)), {}
+    if all(global_batch % (world_size // (size * split)) for size, split in layouts):
+        raise ConfigError(f"global batch {global_batch} is not a multiple of the world size {world_size}"
+                          + (" over any tensor or sequence group searched" if len(layouts) > 1 else ""))
+    for size, split in layouts:
+        batch_ranks = world_size // (size * split)  # ranks reading different micro-batches
+        if global_batch % batch_ranks:
+            continue
+        per_rank = global_batch // batch_ranks  # images per data-parallel rank
         micro_batches = [m for m in (2**i for i in range(0, 13)) if per_rank % m == 0] or [1]
         if rates:
             if per_rank % cfg.micro_batch_size:
                 raise ConfigError(f"the calibrated micro-batch {cfg.micro_batch_size} does not divide the "
                                   f"{per_rank} images per rank of global batch {global_batch}")
             micro_batches = [cfg.micro_batch_size]
-        base = profile_model(replace(cfg, micro_batch_size=PROFILE_BATCH, tp_size=size), target(device),
-                             DTYPES[precision])
+        if size not in profiles:  # the whole sequence's: estimate() takes a sequence group's share
+            profiles[size] = profile_model(replace(cfg, micro_batch_size=PROFILE_BATCH, tp_size=size),
+                                           target(device), DTYPES[precision])
+        base = profiles[size]
         variants = [(name, v) for name, e in ENGINES.items() if not engines or name in engines
                     for v in e.search_variants(world_size, ranks_per_node, size)]
         for engine, variant in variants:
@@ -63,6 +82,7 @@ def search(cfg: Config, ds_config_for, precision: str, world_size: int, ranks_pe
                 scaled = (base[0].scaled(micro / PROFILE_BATCH), *base[1:])
                 for ac in policies:
                     candidate = replace(cfg, **{"engine": engine, "micro_batch_size": micro, "tp_size": size,
+                                                "sp_size": split,
                                                 "grad_accum_steps": per_rank // micro, "ac": ac, "ds_config": "",
                                                 "replicate_degree": 1, **variant})
                     est = estimate(candidate, ds_config_for(candidate), precision, world_size, ranks_per_node,

@@ -133,14 +133,15 @@ def test_validate_predicts_the_host_bound_suite_with_the_host_probe():
 
 # ZeRO-3 with tensor parallelism under -m slow: the default run plans and runs tensor parallelism (ZeRO-1) and
 # selective (ZeRO-2); ZeRO-3 planned against measured runs: test_validate_predicts_the_cpu_suite_within_its_targets
-@pytest.mark.parametrize("zero,ac,tp", [(2, "selective", 1), (1, "none", 2),
-                                       pytest.param(3, "selective", 2, marks=pytest.mark.slow)],
-                         ids=["zero2 selective", "zero1 none tp2", "zero3 selective tp2"])
-def test_the_planner_predicts_a_run_no_suite_measures(tmp_path, zero, ac, tp):
-    """Configurations no committed suite runs (ViT-S/8 at 64 px, micro-batch 8; ZeRO-2 + `selective`, and under
-    DeepSpeed's AutoTP over both ranks), measured now by the benchmark worker on 2 ranks: the planner's peak, from
-    the configuration alone on the meta device (one tensor rank's share of the model under TP), is within
-    docs/planner.md's ±10% of the measured one."""
+@pytest.mark.parametrize("zero,ac,tp,sp", [(2, "selective", 1, 1), (1, "none", 2, 1), (3, "none", 1, 2),
+                                          pytest.param(3, "selective", 2, 1, marks=pytest.mark.slow)],
+                         ids=["zero2 selective", "zero1 none tp2", "zero3 none sp2", "zero3 selective tp2"])
+def test_the_planner_predicts_a_run_no_suite_measures(tmp_path, zero, ac, tp, sp):
+    """Configurations no committed suite runs (ViT-S/8 at 64 px, micro-batch 8; ZeRO-2 + `selective`, under
+    DeepSpeed's AutoTP over both ranks, and with the tokens split over both ranks), measured now by the benchmark
+    worker on 2 ranks: the planner's peak, from the configuration alone on the meta device (one tensor rank's
+    share of the model under TP, one sequence rank's share of the tokens under SP), is within docs/planner.md's
+    ±10% of the measured one."""
     from benchmarks.bench_worker import Spec, run_config
     from engine.ds_config import build_ds_config
     from models.registry import model_config
@@ -148,7 +149,7 @@ def test_the_planner_predicts_a_run_no_suite_measures(tmp_path, zero, ac, tp):
     from planner.estimate import estimate
 
     spec = Spec(model="vit-small", image_size=64, patch_size=8, micro_batch_size=8, zero=zero, ac=ac, tp_size=tp,
-                profiled_steps=2, timed_steps=1, count_flops=False)
+                sp_size=sp, profiled_steps=2, timed_steps=1, count_flops=False)
     out = tmp_path / "result.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = fork_launch(["--spec", json.dumps(spec.__dict__), "--out", out], 2, env, 300,
@@ -268,7 +269,8 @@ def test_plan_searches_both_engines_and_says_which_is_faster(tmp_path):
     assert pairs and all(v[8]["comm_bytes_between_nodes"] < v[1]["comm_bytes_between_nodes"] for v in pairs)
     assert all(v[8]["step_s"] < v[1]["step_s"] for v in pairs)
     # a recipe of train.py's keys, no engine config: train.py builds FSDP2's from them (and from those a run adds)
-    assert sorted(p.name for p in (tmp_path / "plan").iterdir()) == ["config.yaml", "launch.sh", "plan.json"]
+    assert sorted(p.name for p in (tmp_path / "plan").iterdir()) == ["config.yaml", "launch.sh", "plan.json",
+                                                                    "search.md"]
     assert "--ds_config" not in (tmp_path / "plan" / "launch.sh").read_text()
     assert "engine: fsdp2" in (tmp_path / "plan" / "config.yaml").read_text()
 
@@ -281,7 +283,7 @@ def test_a_written_plan_composes_with_the_keys_a_run_adds(debug_args, tmp_path):
                 "deepspeed", "--world_size", 2, "--ranks_per_node", 2, "--device", "cpu", "--device_tflops", 0.1,
                 "--device_memory_gb", 8, "--global_batch", 32, "--out", out)
     assert proc.returncode == 0, proc.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "launch.sh", "plan.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "launch.sh", "plan.json", "search.md"]
     assert "why: " in proc.stdout
     run = tmp_path / "run"
     args = debug_args + ["--config", out / "config.yaml", "--micro_batch_size", 16, "--grad_accum_steps", 1,

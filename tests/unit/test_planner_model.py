@@ -278,6 +278,36 @@ def test_tensor_parallel_all_reduces_are_charged_per_block():
     assert e["global_batch"] == 4 * 2 * 4  # four data-parallel ranks of two
 
 
+def test_sequence_parallelism_shares_the_blocks_and_charges_its_all_to_alls():
+    """Under sp_size s a rank holds an s-th of each block's activations, FLOPs and traffic (the stem and head
+    whole); each block sends four all-to-alls of its share of the input forward, four backward, four more when
+    recomputed whole, (s-1)/s of each leaving the rank; ZeRO still partitions over every rank, and a sequence
+    group reads one micro-batch."""
+    from ac.profile import profile_model
+    from engine.ds_config import build_ds_config
+    from planner.devices import Device
+    from planner.estimate import estimate, sp_alltoall_bytes
+
+    cfg = replace(Config(), model="vit-small", image_size=64, patch_size=8, micro_batch_size=4, grad_accum_steps=2)
+    prof = profile_model(cfg, "cpu")[0]
+    share = prof.sequence_share(2)
+    assert [b.bytes_none for b in share] == [round(b.bytes_none / 2) for b in prof]
+    assert share.bytes_outside == prof.bytes_outside and share.forward_flops < prof.forward_flops
+    block_flops = sum(b.flops for b in prof)
+    assert share.forward_flops == round(prof.forward_flops - block_flops / 2)
+    assert sp_alltoall_bytes(share, ["none"] * 12, 2) == 12 * 4 * 2 * share[0].bytes_full / 2
+    assert sp_alltoall_bytes(share, ["full"] * 12, 2) == 12 * 4 * 3 * share[0].bytes_full / 2
+    assert sp_alltoall_bytes(prof, ["none"] * 12, 1) == 0
+    device = Device("cpu", 1e11, 1e6, 10.0, 10.0, 0.0, mem_gbs=10.0)
+    one = estimate(cfg, build_ds_config(cfg, 384, 8, "fp32"), "fp32", 8, 8, device)
+    two = estimate(replace(cfg, sp_size=2), build_ds_config(cfg, 384, 8, "fp32"), "fp32", 8, 8, device)
+    assert two["memory"]["weights"] == one["memory"]["weights"]  # partitioned over all 8 ranks either way
+    assert two["memory"]["activations"] < 0.6 * one["memory"]["activations"]
+    assert two["sp_comm_bytes_per_step_per_rank"] == 2 * sp_alltoall_bytes(share, ["none"] * 12, 2)
+    assert two["sp_comm_s"] == pytest.approx(two["sp_comm_bytes_per_step_per_rank"] / 10e9)
+    assert (one["global_batch"], two["global_batch"]) == (4 * 2 * 8, 4 * 2 * 4)
+
+
 def test_fsdp2_sends_its_gathers_and_one_fp32_reduce_scatter():
     """The FSDP2 engine per step: each micro-batch all-gathers the weights in the compute dtype for its forward
     and, resharding, again for its backward; the gradients are reduce-scattered once, in fp32."""
