@@ -600,6 +600,30 @@ def scaling(doc: str) -> str:
     return text + "."
 
 
+def sequence_line(doc: str) -> str:
+    """docs/sequence_parallel.md: sp_size 2 against sp_size 1 on CPU (benchmarks.sequence_bench's runs), and the
+    digits job split over two ranks against it on one (benchmarks/results/sequence/digits)."""
+    from benchmarks.report import peak_ratio
+    from benchmarks.sequence_bench import LABEL
+
+    folder = report_dir("sequence")
+    results = [r for r in runs(folder) if "error" not in r]
+    parts = []
+    for label in ("FSDP2", "ZeRO-3"):
+        base = f"{label} sp 1 @ 1"
+        same = (speed_ratio(results, LABEL, f"{label} sp 2 @ 2", base),
+                peak_ratio(results, LABEL, f"{label} sp 2 @ 2", base))
+        half = peak_ratio(results, LABEL, f"{label} sp 2 @ 1", base)
+        parts.append(f"under {label}, the same two images per step {fmt_ratio(same[0])}× the images/s at "
+                     f"{fmt_ratio(same[1])}× the peak, one image split over the two ranks {fmt_ratio(half)}× the peak")
+    digits = os.path.join(folder, "digits")
+    ends = {name: json.load(open(os.path.join(digits, f"{name}.json"))) for name in ("split", "one-rank")}
+    return (f"On 2 CPU ranks ({LABEL}, [report]({link(folder, doc)}), {env_date(folder)}{stale_note(folder)}): "
+            + "; ".join(parts) + f". The digits job to the end (900 steps, global batch 64): split over two ranks "
+            f"{ends['split']['val_top1']:.2%} val top-1, on one rank without the split "
+            f"{ends['one-rank']['val_top1']:.2%} ([runs]({link(digits, doc, 'README.md')})).")
+
+
 def ds_tuning(doc: str) -> str:
     """docs/benchmarks.md: each DeepSpeed knob against the config as shipped (benchmarks.ds_tuning's runs), on
     ViT-S and on the host-bound shape, and no persistent parameters under ZeRO-3."""
@@ -711,7 +735,7 @@ RENDERERS = {"policy-table": policy_table, "h200-table": h200_table, "h200-line"
              "task-memory": task_memory, "planner-line": planner_line, "digits-tasks": digits_tasks,
              "scaling": scaling, "ds-tuning": ds_tuning,
              "clean-clone": clean_clone, "faults-line": faults_line,
-             "convergence-line": convergence_line, "sweep-digits": sweep_digits}
+             "convergence-line": convergence_line, "sweep-digits": sweep_digits, "sequence-line": sequence_line}
 
 
 def worked_plan(doc: str, name: str) -> str:

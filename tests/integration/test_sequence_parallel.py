@@ -48,3 +48,29 @@ def test_two_ranks_splitting_the_tokens_train_as_one_rank_does(debug_args, tmp_p
 def test_an_sp_size_that_does_not_divide_the_ranks_is_one_line(debug_args, capsys, monkeypatch):
     code, err = check_input(debug_args + ["--sp_size", "2"], capsys, monkeypatch)
     assert code == 2 and err == ["error: sp_size 2 does not divide the world size (1)"], err
+
+
+@pytest.mark.slow
+def test_a_split_run_resumes_exactly_split_and_whole(debug_args, tmp_path):
+    """FSDP2 with sp_size 2 for 10 steps, a checkpoint at 5: resumed from it on the same two ranks the run goes on
+    bitwise; resumed on one rank without the split (the same single data rank, the same global batch) it goes
+    on within fp32 reduction order, from the same data position."""
+    args = debug_args + ["--model", "vit-debug", "--engine", "fsdp2", "--max_steps", "10", "--save_every", "5",
+                         "--eval_every", "0"]
+    full = tmp_path / "full"
+    launch(args + ["--sp_size", "2", "--output_dir", full])
+    expected = {r["step"]: r for r in read_metrics(full) if "loss" in r}
+    step5 = full / "checkpoints" / "step0000005"
+    same = tmp_path / "same"
+    proc = launch(args + ["--sp_size", "2", "--output_dir", same, "--resume", step5])
+    assert "at step 5" in proc.stdout and "data order restarts" not in proc.stdout
+    assert {r["step"]: r["loss"] for r in read_metrics(same) if "loss" in r} == \
+        {s: expected[s]["loss"] for s in range(6, 11)}
+    whole = tmp_path / "whole"
+    proc = launch(args + ["--output_dir", whole, "--resume", step5], nproc=1)
+    assert "at step 5" in proc.stdout and "data order restarts" not in proc.stdout
+    got = {r["step"]: r for r in read_metrics(whole) if "loss" in r}
+    assert sorted(got) == list(range(6, 11))
+    for s in range(6, 11):
+        assert got[s]["loss"] == pytest.approx(expected[s]["loss"], rel=1e-5), s
+        assert got[s]["grad_norm"] == pytest.approx(expected[s]["grad_norm"], rel=1e-5), s
