@@ -1,7 +1,8 @@
 """Convergence: the digits job (`configs/digits-vit.yaml`, 900 steps) trained to the end under DeepSpeed ZeRO-2 +
-`none`, ZeRO-3 + `selective` and FSDP2, with 3 seeds each, through the same data path.
+`none`, ZeRO-3 + `selective`, FSDP2, and FSDP2 with each image's tokens split over the two ranks (`sp_size 2`: one
+data-parallel rank of 64 images, the same global batch), with 3 seeds each, through the same data path.
 
-    .venv/bin/python -m benchmarks.convergence              # ~25 min on 2 cores
+    .venv/bin/python -m benchmarks.convergence              # ~40 min on 2 cores
     .venv/bin/python -m benchmarks.convergence --report_only
 
 Every run is `train.py` itself under torchrun, the FSDP2 ones with `--engine fsdp2` (the recipe's `zero_stage` 2:
@@ -25,7 +26,9 @@ RECIPE = "configs/digits-vit.yaml"
 # (label, engine, train.py overrides)
 RUNS = [("DeepSpeed ZeRO-2 + none", "deepspeed", ["--zero_stage", "2", "--ac", "none"]),
         ("DeepSpeed ZeRO-3 + selective", "deepspeed", ["--zero_stage", "3", "--ac", "selective"]),
-        ("FSDP2 + none", "fsdp2", ["--engine", "fsdp2", "--zero_stage", "2", "--ac", "none"])]
+        ("FSDP2 + none", "fsdp2", ["--engine", "fsdp2", "--zero_stage", "2", "--ac", "none"]),
+        ("FSDP2 + none, sp_size 2", "fsdp2", ["--engine", "fsdp2", "--zero_stage", "2", "--ac", "none", "--sp_size",
+                                              "2", "--micro_batch_size", "64"])]
 SEEDS = (0, 1, 2)
 SMOOTH = 25  # steps in the plot's moving average
 
@@ -58,7 +61,7 @@ def report(out_dir: str, runs: list, env: dict):
              "| configuration | val top-1, mean ± std | per seed | final loss (mean of the last 50 steps) | "
              "images/s (median) |", "|---|---|---|---|---|"]
     fig, ax = plt.subplots(figsize=(8, 5))
-    colors = ["tab:blue", "tab:purple", "tab:gray"]
+    colors = ["tab:blue", "tab:purple", "tab:gray", "tab:orange"]
     for label, color in zip(labels, colors):
         rs = [r for r in runs if r["config"] == label]
         top1 = [r["val_top1"] for r in rs]
@@ -72,7 +75,8 @@ def report(out_dir: str, runs: list, env: dict):
             ax.plot(range(1, len(smooth) + 1), smooth, color=color, lw=0.9, alpha=0.8, label=label if i == 0 else None)
     ax.set_xlabel("step")
     ax.set_ylabel(f"training loss ({SMOOTH}-step moving average)")
-    ax.set_title(f"digits, {len(SEEDS)} seeds per engine: DeepSpeed and FSDP2 through the same data path", fontsize=9)
+    ax.set_title(f"digits, {len(SEEDS)} seeds per configuration: DeepSpeed, FSDP2 and FSDP2 with the tokens split, "
+                 f"through the same data path", fontsize=9)
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
