@@ -618,10 +618,18 @@ def sequence_line(doc: str) -> str:
                      f"{fmt_ratio(same[1])}× the peak, one image split over the two ranks {fmt_ratio(half)}× the peak")
     digits = os.path.join(folder, "digits")
     ends = {name: json.load(open(os.path.join(digits, f"{name}.json"))) for name in ("split", "one-rank")}
+    conv = report_dir("convergence")
+    top1 = {}
+    for r in runs(conv):
+        top1.setdefault(r["config"], []).append(r["val_top1"])
+    seeds = "; ".join(f"{label} {statistics.fmean(v):.2%} ± {statistics.stdev(v):.2%}" for label, v in top1.items()
+                      if label.startswith("FSDP2"))
     return (f"On 2 CPU ranks ({LABEL}, [report]({link(folder, doc)}), {env_date(folder)}{stale_note(folder)}): "
             + "; ".join(parts) + f". The digits job to the end (900 steps, global batch 64): split over two ranks "
             f"{ends['split']['val_top1']:.2%} val top-1, on one rank without the split "
-            f"{ends['one-rank']['val_top1']:.2%} ([runs]({link(digits, doc, 'README.md')})).")
+            f"{ends['one-rank']['val_top1']:.2%} ([runs]({link(digits, doc, 'README.md')})); over "
+            f"{len(next(iter(top1.values())))} seeds each ([convergence]({link(conv, doc, 'results.md')}), "
+            f"{env_date(conv)}{stale_note(conv)}): {seeds}.")
 
 
 def ds_tuning(doc: str) -> str:
