@@ -166,36 +166,30 @@ def tp_candidates(text: str, flag: str = "--tp_sizes"):
     return sizes
 
 
-def by_sp_size(found: list, allow_quantized: bool = False) -> str:
-    """The pick (`pick`) of each sequence-parallel size searched, against the one without it."""
-    sizes = {e["sp_size"] for e in found}
-    if len(sizes) < 2:
+def by_size(found: list, key: str, what: str, allow_quantized: bool = False, extra=lambda e: "") -> str:
+    """The pick (`pick`) of each size of `key` ("tp_size", "sp_size") searched, against the one without it;
+    `extra(e)`: what a line adds after the peak."""
+    short = key.split("_")[0]
+    best = {n: pick([e for e in found if e[key] == n], allow_quantized) for n in {e[key] for e in found}}
+    if len(best) < 2:
         return ""
-    best = {sp: pick([e for e in found if e["sp_size"] == sp], allow_quantized) for sp in sizes}
-    lines = ["", "", "the fastest of each sequence-parallel size:"]
+    lines = ["", "", f"the fastest of each {what} size:"]
     plain = best.get(1)
-    for sp, e in sorted(best.items()):
-        against = f", {e['images_per_s'] / plain['images_per_s']:.2f}x sp 1's" if plain and sp > 1 else ""
-        lines.append(f"  sp {sp}: {sharding(e)}, micro-batch {e['micro_batch_size']} x "
+    for n, e in sorted(best.items()):
+        against = f", {e['images_per_s'] / plain['images_per_s']:.2f}x {short} 1's" if plain and n > 1 else ""
+        lines.append(f"  {short} {n}: {sharding(e)}, micro-batch {e['micro_batch_size']} x "
                      f"{e['grad_accum_steps']}, ac {e['ac']}: {e['step_s']:.3f} s a step, {e['images_per_s']:.0f} "
-                     f"images/s, peak {gib(e['peak_bytes'])} GiB, all-to-alls {e['sp_comm_s'] * 1e3:.0f} ms{against}")
+                     f"images/s, peak {gib(e['peak_bytes'])} GiB{extra(e)}{against}")
     return "\n".join(lines)
+
+
+def by_sp_size(found: list, allow_quantized: bool = False) -> str:
+    return by_size(found, "sp_size", "sequence-parallel", allow_quantized,
+                   lambda e: f", all-to-alls {e['sp_comm_s'] * 1e3:.0f} ms")
 
 
 def by_tp_size(found: list, allow_quantized: bool = False) -> str:
-    """The pick (`pick`) of each tensor-parallel size searched, against the one without it."""
-    found = [e for e in found if e["sp_size"] == 1]
-    best = {tp: pick([e for e in found if e["tp_size"] == tp], allow_quantized) for tp in {e["tp_size"] for e in found}}
-    if len(best) < 2:
-        return ""
-    lines = ["", "", "the fastest of each tensor-parallel size:"]
-    plain = best.get(1)
-    for tp, e in sorted(best.items()):
-        against = f", {e['images_per_s'] / plain['images_per_s']:.2f}x tp 1's" if plain and tp > 1 else ""
-        lines.append(f"  tp {tp}: {sharding(e)}, micro-batch {e['micro_batch_size']} x "
-                     f"{e['grad_accum_steps']}, ac {e['ac']}: {e['step_s']:.3f} s a step, {e['images_per_s']:.0f} "
-                     f"images/s, peak {gib(e['peak_bytes'])} GiB{against}")
-    return "\n".join(lines)
+    return by_size([e for e in found if e["sp_size"] == 1], "tp_size", "tensor-parallel", allow_quantized)
 
 
 def by_engine(found: list, allow_quantized: bool = False) -> str:
