@@ -53,6 +53,9 @@ class Config:
     replicate_degree: int = 1  # fsdp2: HSDP, the ranks form this many replicas of the model, each sharded over world size / replicate_degree ranks (set it to the number of nodes: shard within a node, replicate across; ZeRO++'s hierarchical partitioning's analogue); 1 = one shard group of every rank
     tp_size: int = 1  # tensor parallelism: ranks of a node that split each block's matrices (DeepSpeed AutoTP); data parallelism and ZeRO run over world size / tp_size
     sp_size: int = 1  # sequence parallelism (ViT classifiers): consecutive ranks that split each image's tokens, attention by Ulysses all-to-alls (parallel/sequence.py); they read the same micro-batches, so data parallelism runs over world size / sp_size
+    pp_size: int = 1  # pipeline parallelism (fsdp2, ddp; ViT classifiers): consecutive ranks that each hold a stage of the blocks (the first also the embeddings, the last the norm and head), activations passed between them by torch.distributed.pipelining; they read the same micro-batches, so each stage is sharded (fsdp2) or replicated (ddp) over world size / pp_size ranks (parallel/pipeline.py)
+    pp_schedule: str = "1f1b"  # 1f1b (stage s of pp_size holds at most pp_size - s pieces' activations) | gpipe (every piece's forward, then every backward: all pieces' activations)
+    pp_microbatches: int = 0  # pipeline micro-batches each micro_batch_size batch is cut into; 0 = the fewest that keep the bubble, (pp_size - 1) / (pp_microbatches + pp_size - 1), at or under 20% and divide micro_batch_size
     ds_config: str = ""  # DeepSpeed JSON template; "" = ds_configs/zero{zero_stage}.json. Its "auto" fields come from this config
     dist_timeout: float = 1800.0  # seconds a rank waits for the master's address, for the other ranks, and in any collective
     device_memory_gb: float = 0.0  # cap each rank's GPU memory at this many GiB (torch.cuda.set_per_process_memory_fraction): run as on a smaller device (an A100-40GB's 40 on an H200); 0 = the whole device
@@ -101,8 +104,9 @@ class Config:
 
     @property
     def model_parallel(self) -> int:
-        """The ranks that read the same micro-batches: a tensor group (tp_size) times a sequence group (sp_size)."""
-        return self.tp_size * self.sp_size
+        """The ranks that read the same micro-batches: a tensor group (tp_size) times a sequence group (sp_size)
+        times a pipeline (pp_size)."""
+        return self.tp_size * self.sp_size * self.pp_size
 
 
 TRACKERS = ("tensorboard", "mlflow", "wandb")  # report_to's names (runlog/tracking.py)
@@ -110,7 +114,7 @@ TRACKERS = ("tensorboard", "mlflow", "wandb")  # report_to's names (runlog/track
 # sample counts are known (train.py's check_run)
 UNITS = (("max_steps", "epochs"), ("warmup_steps", "warmup_epochs"))
 KEYS = {f.name: f for f in dataclasses.fields(Config)}
-CHOICES = {"task": ("classification", "mae", "simmim", "segmentation"), "optimizer": ("adamw", "muon"), "zero_stage": (1, 2, 3), "precision": ("fp32", "bf16", "fp16", "auto"), "data_mode": ("epoch", "resampled", "synthetic")}
+CHOICES = {"task": ("classification", "mae", "simmim", "segmentation"), "optimizer": ("adamw", "muon"), "zero_stage": (1, 2, 3), "precision": ("fp32", "bf16", "fp16", "auto"), "data_mode": ("epoch", "resampled", "synthetic"), "pp_schedule": ("1f1b", "gpipe")}
 
 
 def _coerce(key: str, value, from_cli: bool):
@@ -292,13 +296,13 @@ def _accelerate_fsdp(env, take):
 
 
 def _check(cfg: Config):
-    positive = ("num_labels", "image_size", "tp_size", "sp_size", "replicate_degree", "micro_batch_size",
+    positive = ("num_labels", "image_size", "tp_size", "sp_size", "pp_size", "replicate_degree", "micro_batch_size",
                 "grad_accum_steps", "max_steps", "max_bad_steps", "log_every")
     for key in positive:
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"config key '{key}' must be positive, got {getattr(cfg, key)}")
     for key in ("patch_size", "num_workers", "data_streams", "warmup_steps", "eval_every", "save_every", "grad_clip",
-                "weight_decay", "randaug_n", "mixup", "cutmix", "keep_last", "min_free_gb", "epochs", "warmup_epochs"):
+                "weight_decay", "randaug_n", "mixup", "cutmix", "keep_last", "min_free_gb", "epochs", "warmup_epochs", "pp_microbatches"):
         if getattr(cfg, key) < 0:
             raise ConfigError(f"config key '{key}' must be >= 0, got {getattr(cfg, key)}")
     if not 0 < cfg.crop_scale_min <= 1 or not 0 <= cfg.hflip <= 1 or not 0 <= cfg.randaug_m <= 10:

@@ -436,6 +436,9 @@ def main(argv=None):
             return 0
         cfg = parse(rest)
         check_engine(cfg)
+        if cfg.pp_size > 1:
+            raise ConfigError("pp_size > 1: the planner does not model pipeline stages yet (their bubble, per-stage "
+                              "peaks and the activations sent between them); plan at pp_size 1")
         if cfg.tp_size > 1 and (a.calibrate or a.calibration):
             raise ConfigError("a calibration measures the model unsplit: calibrate and plan with it at tp_size 1")
         precision = cfg.precision if cfg.precision != "auto" else ("bf16" if a.device != "cpu" else "fp32")

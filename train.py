@@ -56,7 +56,7 @@ from loop.timing import clock
 from models.blocks import find_blocks
 from models.registry import check_weight_files, width
 from models.tasks import meta_model, run_config, task_loss
-from parallel import sequence
+from parallel import pipeline, sequence
 from parallel.tensor import check_tp, layout
 from runlog import tracking
 from runlog.log import RunLog
@@ -122,6 +122,8 @@ def check_run(cfg: Config, world_size: int, rank: int) -> Checked:
     defined = run_config(cfg)[0]
     check_tp(defined, cfg.tp_size, world_size, ranks_per_node())
     if why := sequence.check(defined, cfg.sp_size, world_size, cfg.tp_size, cfg.task):
+        raise ConfigError(why)
+    if why := pipeline.check(defined, cfg, world_size):
         raise ConfigError(why)
     if os.path.isdir(cfg.model):  # a cut-off copy of its weights fails here, by name, not inside transformers
         check_weight_files(cfg.model)
@@ -380,7 +382,8 @@ def open_log(run: Run, model: Model, start: Start, data: Data) -> RunLog:
               f"{model.precision} | world size {world_size} ({world_size // local_world} node(s) x {local_world}, "
               f"{run.device.type}, {torch.get_num_threads()} threads per rank)"
               + (f" = {run.data_ranks} data x {cfg.tp_size} tensor parallel" if cfg.tp_size > 1 else "")
-              + (f" = {run.data_ranks} data x {cfg.sp_size} sequence parallel" if cfg.sp_size > 1 else "") +
+              + (f" = {run.data_ranks} data x {cfg.sp_size} sequence parallel" if cfg.sp_size > 1 else "")
+              + (f" = {run.data_ranks} data x {cfg.pp_size} pipeline stages" if cfg.pp_size > 1 else "") +
               f" | global batch {images_per_step(cfg, world_size)} = {cfg.micro_batch_size} micro x "
               f"{cfg.grad_accum_steps} accum x {run.data_ranks} ranks | steps {start.step}->"
               f"{cfg.max_steps}" + (f" ({cfg.epochs:g} epochs)" if cfg.epochs else "") + f" | data {cfg.data_mode}"
@@ -422,8 +425,11 @@ def train_step(run: Run, model: Model, data: Data, step: int) -> tuple[torch.Ten
         if cfg.task == "classification":  # mixup and cutmix make soft targets
             mix_rng = torch.Generator().manual_seed(slot_seed)
             images, labels = mix_batch(images, labels, cfg.num_labels, cfg.mixup, cfg.cutmix, mix_rng)
-        loss = task_loss(engine, cfg, images.to(model.dtype), labels, step, slot)
-        engine.backward(loss)  # divided by grad_accum_steps
+        if engine.pipeline:  # the schedule runs the micro-batch's pieces through every stage (parallel/pipeline.py)
+            loss = engine.pipeline.step(images.to(model.dtype), labels)
+        else:
+            loss = task_loss(engine, cfg, images.to(model.dtype), labels, step, slot)
+            engine.backward(loss)  # divided by grad_accum_steps
         engine.step()  # the optimizer and the LR schedule advance only at the accumulation boundary
         loss_sum += loss.detach().double()
     return loss_sum, skipped, padded, data_wait

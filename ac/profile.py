@@ -125,6 +125,14 @@ class Profile(list):
         out.moved_bytes = round(self.moved_bytes * factor)
         return out
 
+    def stage_share(self, names: list[str]) -> "Profile":
+        """The blocks `names` of a pipeline stage (parallel/pipeline.py), at the micro-batch; what sits outside
+        the blocks is kept whole (the stem is the first stage's, the norm and head the last's)."""
+        out = Profile(p for p in self if p.name in set(names))
+        out.bytes_outside, out.grad_outside = self.bytes_outside, self.grad_outside
+        out.forward_flops, out.ops, out.moved_bytes = self.forward_flops, self.ops, self.moved_bytes
+        return out
+
     def sequence_share(self, sp_size: int) -> "Profile":
         """One rank's share under sequence parallelism (parallel/sequence.py): each block's activations, FLOPs and
         traffic an sp_size-th (its tokens through the norms, MLP and residuals, its heads through attention); the

@@ -31,6 +31,7 @@ class Capabilities:
     fp16: bool = False  # precision fp16, which needs a loss scaler
     async_save: bool = False  # checkpoints written by a background thread
     replicate: bool = False  # HSDP: replicate_degree > 1
+    pipeline: bool = False  # pp_size > 1 (torch.distributed.pipelining's stages and schedules)
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,8 @@ FEATURES = (
             "checkpoints written in the background (DCP's async_save)", "async_save false"),
     Feature("replicate", "replicate_degree", lambda c: c.replicate_degree > 1,
             "HSDP (replicas each sharded over world size / replicate_degree ranks)", "replicate_degree 1"),
+    Feature("pipeline", "pp_size", lambda c: c.pp_size > 1,
+            "pipeline parallelism (torch.distributed.pipelining's stages)", "pp_size 1"),
 )
 
 
@@ -118,6 +121,7 @@ class Engine(Protocol):
     async_save: bool  # save() may start a background write (checkpoints/manager.py commits it later)
     pending: object  # checkpoints/manager.py's record of that write
     skipped_steps: int  # steps skipped for non-finite gradients
+    pipeline: object  # under pp_size > 1 this rank's stage and schedule (parallel/pipeline.py's Pipeline), else None
 
     # ------------------------------------------------------------------ before the model
     @classmethod

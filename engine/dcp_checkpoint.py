@@ -32,11 +32,14 @@ def dcp_failures(path: str):
                       getattr(first, "filename", path)) from e
 
 
-def state(module: torch.nn.Module, optimizer) -> dict:
-    """The model's and the optimizer's state as DCP reads and writes it (sharded DTensors under FSDP2)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+def state(module: torch.nn.Module, optimizer, flat: bool = True) -> dict:
+    """The model's and the optimizer's state as DCP reads and writes it (sharded DTensors under FSDP2). `flat`:
+    the optimizer's by parameter name (`state.<name>.exp_avg`, `param_groups.<name>.lr`), so that ranks holding
+    different parameters (pipeline stages) never write the same key; False: its groups by position, the layout of
+    checkpoints written before 2026-12-07, which still load."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    model, optim = get_state_dict(module, optimizer)
+    model, optim = get_state_dict(module, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=flat))
     return {"model": model, "optim": optim}
 
 
@@ -67,16 +70,25 @@ def load(module, optimizer, path: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    loaded = state(module, optimizer)
+    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    flat = not any(k.startswith("optim.param_groups.0.") for k in stored)  # else groups by position (older)
+    loaded = state(module, optimizer, flat)
     # a parameter without gradients when the checkpoint was written (one the forward does not use: UperNet's
     # backbone's last norm) had no AdamW state; it has none to load now either
-    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    loaded["optim"]["state"] = {name: s for name, s in loaded["optim"]["state"].items()
-                                if all(f"optim.state.{name}.{k}" in stored for k in s)}
-    dcp.load(loaded, checkpoint_id=path)
+    # (flat: its fresh state stays, which no step uses: it has no gradient)
+    if flat:
+        subset = {k: v for k, v in loaded["optim"].items() if not k.startswith("state.") or f"optim.{k}" in stored}
+        reading = {"model": loaded["model"], "optim": subset}
+    else:
+        loaded["optim"]["state"] = {name: s for name, s in loaded["optim"]["state"].items()
+                                    if all(f"optim.state.{name}.{k}" in stored for k in s)}
+        reading = loaded
+    dcp.load(reading, checkpoint_id=path)
+    if flat:  # the plain values (the groups' lr, ...) are replaced in the dict DCP was given
+        loaded["optim"].update(reading["optim"])
     # not strict: the parameters left out above; DCP's load has already refused a checkpoint missing a weight
     set_state_dict(module, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"],
-                   options=StateDictOptions(strict=False))
+                   options=StateDictOptions(strict=False, flatten_optimizer_state_dict=flat))
     return torch.load(os.path.join(path, ENGINE_STATE), weights_only=True)
 
 

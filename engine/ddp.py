@@ -11,6 +11,7 @@ are engine/torch_engine.py's: a checkpoint holds the weights once (the lowest ra
 and loads on any number of ranks.
 """
 import contextlib
+import functools
 
 import torch
 
@@ -19,7 +20,9 @@ from engine.base import Built, Capabilities, Sizes
 from engine.ds_config import resolve_precision
 from engine.parallelize import apply_ac
 from engine.torch_engine import TorchEngine, adamw_config
+from loop.optim import layer_ids
 from models.blocks import find_blocks
+from parallel import pipeline
 
 
 def ddp_memory_parts(n_params: int, precision: str, fused_adamw: bool) -> dict:
@@ -33,10 +36,11 @@ def ddp_memory_parts(n_params: int, precision: str, fused_adamw: bool) -> dict:
 class DDPEngine(TorchEngine):
     name = "ddp"
     config_file = "ddp_config.json"
-    capabilities = Capabilities()
+    capabilities = Capabilities(pipeline=True)
 
-    def __init__(self, module: torch.nn.Module, ddp, cfg: Config, device: torch.device, precision: str):
-        super().__init__(module, cfg, device)
+    def __init__(self, module: torch.nn.Module, ddp, cfg: Config, device: torch.device, precision: str,
+                 layers=None):
+        super().__init__(module, cfg, device, layers)
         self.ddp = ddp
         self._norm_group = False  # whole gradients, the same on every rank after the all-reduce
         self.precision = precision
@@ -60,6 +64,14 @@ class DDPEngine(TorchEngine):
 
         precision = resolve_precision(cfg.precision)
         config = cls.engine_config(cfg, 0, world_size, precision)
+        mesh, layers, stage = None, None, 0
+        if cfg.pp_size > 1:  # this rank's stage (parallel/pipeline.py), replicated over the ranks that hold it
+            mesh = pipeline.mesh(device_type, cfg.pp_size)
+            stage = mesh.get_local_rank("pp")
+            layers = layer_ids(model) if cfg.layer_decay < 1 else None  # the whole model's, before the cut
+            blocks = len(find_blocks(model))
+            pipeline.split(model, stage, cfg.pp_size)
+            log(pipeline.describe(cfg, blocks))
         fixed = cls.memory(cfg, cls.sizes(model), world_size, precision, config, device_type == "cuda")[1]
         ac_plan = apply_ac(model, cfg, fixed, precision, device_type, log)
         device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
@@ -72,8 +84,16 @@ class DDPEngine(TorchEngine):
         # a parameter the forward never uses (UperNet's backbone's last norm) gets no gradient: DDP must look for it
         ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
                                       gradient_as_bucket_view=True,
-                                      find_unused_parameters=cfg.task == "segmentation")
-        return Built(cls(model, ddp, cfg, device, precision), ac_plan, config, precision, torch.float32)
+                                      find_unused_parameters=cfg.task == "segmentation",
+                                      process_group=mesh.get_group("dp") if mesh is not None else None)
+        engine = cls(model, ddp, cfg, device, precision, layers)
+        if mesh is not None:
+            engine._norm_group = mesh.get_group("pp")  # whole gradients of a stage: the stages' squares summed
+            autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16) \
+                if precision == "bf16" else None
+            engine.pipeline = pipeline.Pipeline(model, stage, cfg.pp_size, mesh.get_group("pp"), device, cfg,
+                                                wrapped=ddp, autocast=autocast)
+        return Built(engine, ac_plan, config, precision, torch.float32)
 
     @classmethod
     def memory(cls, cfg, sizes: Sizes, data_ranks, precision, engine_config, gpu):
@@ -103,6 +123,8 @@ class DDPEngine(TorchEngine):
 
     # ------------------------------------------------------------------ the step
     def __call__(self, *args, **kwargs):
+        if self.pipeline is not None:  # evaluation: the stages one after the other
+            return self.pipeline.forward(*args)
         if self.module.training and torch.is_grad_enabled() and not self.at_boundary and self._no_sync is None:
             self._no_sync = self.ddp.no_sync()  # left in backward
             self._no_sync.__enter__()
@@ -120,4 +142,6 @@ class DDPEngine(TorchEngine):
 
     def full_state_dict(self, rank: int) -> dict:
         """The model's weights on rank 0's CPU ({} elsewhere): every rank holds them whole."""
+        if self.pipeline is not None:
+            return self.gather_stages(self.module.state_dict(), rank)
         return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()} if rank == 0 else {}

@@ -31,6 +31,7 @@ class DeepSpeedEngine:
     config_file = "ds_config.json"
     capabilities = Capabilities(tensor_parallel=True, muon=True, ds_config=True, fp16=True)
     checkpoint_format = ZeroCheckpoint()
+    pipeline = None  # no pipeline stages under DeepSpeed here
 
     def __init__(self, ds_engine):
         self.ds = ds_engine

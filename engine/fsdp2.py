@@ -21,7 +21,9 @@ from engine.ds_config import DTYPES, resolve_precision
 from engine.memory import fsdp2_comm_bytes, fsdp2_memory_bytes, fsdp2_memory_parts
 from engine.parallelize import apply_ac
 from engine.torch_engine import TorchEngine, adamw_config
+from loop.optim import layer_ids
 from models.blocks import find_blocks
+from parallel import pipeline
 
 
 def fsdp2_config(cfg: Config, precision: str, gpu: bool) -> dict:
@@ -48,13 +50,13 @@ def device_mesh(device_type: str, replicate: int = 1):
 
 
 def shard(model: torch.nn.Module, precision: str, device: torch.device, reshard: bool, compile_blocks: bool,
-          replicate: int = 1):
+          replicate: int = 1, mesh=None):
     """`fully_shard` per block, then the root, in place, resharding after the forward or not, over `device_mesh`;
     each block compiled first with `compile_blocks`. The FSDP2 engine's wrapping, and the benchmark's plain
-    FSDP2's."""
+    FSDP2's. `mesh`: the shard group's, instead (a pipeline stage's data-parallel ranks)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = device_mesh(device.type, replicate)
+    mesh = device_mesh(device.type, replicate) if mesh is None else mesh
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" \
         else MixedPrecisionPolicy()
     if device.type == "cuda":
@@ -76,13 +78,14 @@ class FSDP2Engine(TorchEngine):
     """A sharded model, its AdamW and LR schedule, stepped as DeepSpeed steps (engine/torch_engine.py)."""
     name = "fsdp2"
     config_file = "fsdp2_config.json"
-    capabilities = Capabilities(async_save=True, replicate=True)
+    capabilities = Capabilities(async_save=True, replicate=True, pipeline=True)
 
-    def __init__(self, module: torch.nn.Module, cfg: Config, device: torch.device):
-        super().__init__(module, cfg, device)
-        # the norm sums each shard once: over the shard group, whose shards every replica holds alike
+    def __init__(self, module: torch.nn.Module, cfg: Config, device: torch.device, layers=None):
+        super().__init__(module, cfg, device, layers)
+        # the norm sums each shard once: over the shard group, whose shards every replica holds alike (a
+        # pipeline's stages hold distinct parameters: every rank's squares count)
         mesh = next(p.device_mesh for p in module.parameters() if compat.is_dtensor(p))
-        self._norm_group = mesh["shard"].get_group() if mesh.ndim == 2 else None
+        self._norm_group = mesh["shard"].get_group() if mesh.mesh_dim_names == ("replicate", "shard") else None
 
     # ------------------------------------------------------------------ before the model
     @classmethod
@@ -94,18 +97,31 @@ class FSDP2Engine(TorchEngine):
     def wrap(cls, model: torch.nn.Module, cfg: Config, world_size: int, device_type: str, log=print,
              resharding: bool = False) -> Built:
         """Activation checkpointing (budgeted against what FSDP2 holds beside the activations), each block
-        compiled with `compile`, then `fully_shard` per block and on the root."""
+        compiled with `compile`, then `fully_shard` per block and on the root. With `pp_size` > 1 the model is cut
+        to this rank's stage first and sharded over the ranks that hold the same stage (parallel/pipeline.py)."""
         precision = resolve_precision(cfg.precision)
         config = cls.engine_config(cfg, 0, world_size, precision)
-        fixed = fsdp2_memory_bytes(*memory_args(cfg, cls.sizes(model), world_size, precision, device_type == "cuda"))
-        ac_plan = apply_ac(model, cfg, fixed, precision, device_type, log)
         device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+        mesh, layers, stage = None, None, 0
+        if cfg.pp_size > 1:
+            mesh = pipeline.mesh(device.type, cfg.pp_size)
+            stage = mesh.get_local_rank("pp")
+            layers = layer_ids(model) if cfg.layer_decay < 1 else None  # the whole model's, before the cut
+            blocks = len(find_blocks(model))
+            pipeline.split(model, stage, cfg.pp_size)
+            log(pipeline.describe(cfg, blocks))
+        data_ranks = world_size // cfg.pp_size
+        fixed = fsdp2_memory_bytes(*memory_args(cfg, cls.sizes(model), data_ranks, precision, device_type == "cuda"))
+        ac_plan = apply_ac(model, cfg, fixed, precision, device_type, log)
         shard(model, precision, device, reshard=cfg.zero_stage == 3, compile_blocks=cfg.compile,
-              replicate=cfg.replicate_degree)
+              replicate=cfg.replicate_degree, mesh=mesh["dp"] if mesh is not None else None)
         if cfg.compile:
             log("compile: each block is compiled in place by torch.compile before fully_shard; the first steps are "
                 "slow while it compiles")
-        return Built(cls(model, cfg, device), ac_plan, config, precision, DTYPES[precision])
+        engine = cls(model, cfg, device, layers)
+        if mesh is not None:
+            engine.pipeline = pipeline.Pipeline(model, stage, cfg.pp_size, mesh.get_group("pp"), device, cfg)
+        return Built(engine, ac_plan, config, precision, DTYPES[precision])
 
     @classmethod
     def memory(cls, cfg, sizes, data_ranks, precision, engine_config, gpu):
@@ -161,5 +177,9 @@ class FSDP2Engine(TorchEngine):
         """The whole model's weights on rank 0's CPU ({} elsewhere), gathered parameter by parameter."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return state if rank == 0 else {}
+        if self.pipeline is None:
+            state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            return state if rank == 0 else {}
+        # each stage whole on the ranks that shard it, the first pipeline's sent to rank 0
+        return self.gather_stages(get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True)),
+                                  rank)

@@ -7,6 +7,7 @@ from ac.policies import apply_activation_checkpointing
 from ac.profile import profile_model
 from config import Config
 from engine.ds_config import DTYPES
+from models.blocks import find_blocks
 
 
 def apply_ac(model, cfg: Config, fixed: dict, precision: str, device_type: str, log) -> dict:
@@ -16,5 +17,7 @@ def apply_ac(model, cfg: Config, fixed: dict, precision: str, device_type: str, 
     precision, with the attention kernel of this device, so that no weight is gathered or allocated for it
     (ac/profile.py). Returns the plan (ac_plan.json)."""
     measured = profile_model(cfg, device_type, DTYPES[precision])[0]
+    if cfg.pp_size > 1:  # the model holds a pipeline stage's blocks
+        measured = measured.stage_share([b.name for b in find_blocks(model)])
     return apply_activation_checkpointing(model, cfg.ac, device_type, fixed=fixed, log=log, profile=measured,
                                           compiled=cfg.compile)

@@ -33,10 +33,13 @@ class TorchEngine:
     """A wrapped model, its AdamW and LR schedule (see the module's docstring)."""
     checkpoint_format = dcp_checkpoint.DCPCheckpoint()
 
-    def __init__(self, module: torch.nn.Module, cfg: Config, device: torch.device):
+    pipeline = None  # parallel/pipeline.py's Pipeline under pp_size > 1: its schedule runs the forward and backward
+
+    def __init__(self, module: torch.nn.Module, cfg: Config, device: torch.device, layers=None):
         self.module, self.cfg, self.device = module, cfg, device
         gpu = device.type == "cuda"
-        groups = param_groups(module, cfg.weight_decay, cfg.layer_decay, cfg.lr)
+        # `layers`: the whole model's layer ids (loop/optim.py's layer_ids) when `module` holds a pipeline stage
+        groups = param_groups(module, cfg.weight_decay, cfg.layer_decay, cfg.lr, layers)
         self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=ADAM_EPS,
                                            weight_decay=cfg.weight_decay, fused=gpu, foreach=not gpu)
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_schedule(cfg))
@@ -73,6 +76,8 @@ class TorchEngine:
 
     # ------------------------------------------------------------------ the model
     def __call__(self, *args, **kwargs):
+        if self.pipeline is not None:  # evaluation: the stages one after the other, the logits on every rank
+            return self.pipeline.forward(*args)
         return self.module(*args, **kwargs)
 
     def train(self):
@@ -92,6 +97,15 @@ class TorchEngine:
     @property
     def torch_optimizer(self) -> torch.optim.Optimizer:
         return self.optimizer
+
+    def gather_stages(self, state: dict, rank: int) -> dict:
+        """Under a pipeline: the whole model's weights on rank 0's CPU ({} elsewhere) from `state`, each rank's
+        stage whole; the ranks of the first pipeline send theirs."""
+        mine = {k: v.detach().cpu() for k, v in state.items()} if rank < self.cfg.pp_size else {}
+        del state
+        parts = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(mine, parts, dst=0)
+        return {k: v for part in parts for k, v in part.items()} if rank == 0 else {}
 
     def writing_local_weights(self):
         return contextlib.nullcontext()  # each rank's local tensors are the weights

@@ -62,10 +62,12 @@ def layer_ids(model: torch.nn.Module) -> tuple[dict[str, int], int]:
     return ids, len(blocks)
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float, layer_decay: float = 1.0, lr: float = 0.0) -> list[dict]:
+def param_groups(model: torch.nn.Module, weight_decay: float, layer_decay: float = 1.0, lr: float = 0.0,
+                 layers: tuple[dict, int] | None = None) -> list[dict]:
     """AdamW's groups: decay or not and, with `layer_decay` < 1, one pair per layer whose "lr" is
-    lr x layer_decay^(L + 1 - layer id) (`layer_ids`), the head's group first (its lr is the one logged)."""
-    ids, depth = layer_ids(model) if layer_decay < 1 else ({}, 0)
+    lr x layer_decay^(L + 1 - layer id) (`layer_ids`, or `layers`: the whole model's, of which `model` holds a
+    pipeline stage), the head's group first (its lr is the one logged)."""
+    ids, depth = (layers or layer_ids(model)) if layer_decay < 1 else ({}, 0)
     groups = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:

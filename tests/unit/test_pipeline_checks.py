@@ -1,0 +1,73 @@
+"""parallel/pipeline.py without a process: how the blocks and the micro-batch are cut, and what the pipeline
+refuses, each in one line, on the models' own configs (the runs are in tests/integration/test_pipeline.py)."""
+import pytest
+import torch
+
+from config import parse
+from models.registry import build_model, model_config
+from models.blocks import find_blocks
+from parallel import pipeline
+
+
+@pytest.mark.parametrize("blocks, stages, expected", [
+    (6, 2, [(0, 3), (3, 6)]),
+    (7, 3, [(0, 2), (2, 4), (4, 7)]),  # the remainder to the later stages, which hold fewer pieces under 1F1B
+    (24, 8, [(3 * s, 3 * s + 3) for s in range(8)]),
+    (2, 2, [(0, 1), (1, 2)]),
+])
+def test_the_blocks_are_cut_in_order_as_evenly_as_they_divide(blocks, stages, expected):
+    cut = pipeline.stage_blocks(blocks, stages)
+    assert [(r.start, r.stop) for r in cut] == expected
+    assert [i for r in cut for i in r] == list(range(blocks))
+
+
+@pytest.mark.parametrize("stages, micro, given, pieces", [
+    (2, 32, 0, 4),  # 1 / (4 + 1) = 20%: the fewest pieces at or under the bound
+    (4, 32, 0, 16),  # 3 / 15 = 20%
+    (4, 36, 0, 12),  # 12 divides 36: 3 / 15 = 20%
+    (8, 16, 0, 16),  # no divisor reaches 20% (7 / 23 at 16): one image a piece
+    (2, 32, 8, 8),  # given
+])
+def test_the_pieces_keep_the_bubble_at_or_under_a_fifth(stages, micro, given, pieces):
+    got = pipeline.microbatches(stages, given, micro)
+    assert got == pieces
+    if not given and got < micro:
+        assert pipeline.bubble(stages, got) <= pipeline.MAX_BUBBLE
+        smaller = [m for m in range(1, got) if micro % m == 0]
+        assert all(pipeline.bubble(stages, m) > pipeline.MAX_BUBBLE for m in smaller)
+
+
+@pytest.mark.parametrize("model, args, world, says", [
+    ("vit-digits", [], 2, None),
+    ("vit-digits", ["--pp_size", "1"], 3, None),  # nothing to check
+    ("vit-digits", [], 3, "pp_size 2 does not divide the world size (3)"),
+    ("vit-digits", ["--sp_size", "2"], 4, "with tp_size or sp_size > 1"),
+    ("vit-digits", ["--task", "mae"], 2, "with task mae"),
+    ("swin-debug", [], 2, "with a swin model"),
+    ("vit-debug", ["--pp_size", "4"], 4, "pp_size 4 is more stages than the model's 2 blocks"),
+    ("vit-digits", ["--pp_microbatches", "5"], 2, "pp_microbatches 5 does not divide micro_batch_size 32"),
+    ("vit-digits", ["--replicate_degree", "2"], 4, "with replicate_degree > 1"),
+    ("vit-digits", ["--ema_decay", "0.99"], 2, "with ema_decay"),
+])
+def test_what_the_pipeline_refuses(model, args, world, says):
+    cfg = parse(["--engine", "fsdp2", "--pp_size", "2", "--model", model, *args])
+    why = pipeline.check(model_config(model, 10, 16 if model.startswith("vit") else 32), cfg, world)
+    assert (why is None) if says is None else (says in why), why
+
+
+def test_a_stage_keeps_its_modules_under_their_own_names_and_computes_its_part():
+    """Two stages of vit-digits, each cut from a whole model built from the same seed: their parameters are the
+    whole model's, under the same names, split without overlap; images through stage 0 then stage 1 give the
+    whole model's logits."""
+    whole = build_model("vit-digits", 10, 16, seed=0)[0].eval()
+    stages = [build_model("vit-digits", 10, 16, seed=0)[0].eval() for _ in range(2)]
+    for s, model in enumerate(stages):
+        pipeline.split(model, s, 2)
+    names = [dict(m.named_parameters()) for m in stages]
+    assert not set(names[0]) & set(names[1])
+    assert set(names[0]) | set(names[1]) == set(dict(whole.named_parameters()))
+    assert [len(find_blocks(m)) for m in stages] == [3, 3]
+    assert "classifier.weight" in names[1] and not any("embeddings" in n for n in names[1])
+    images = torch.randn(4, 3, 16, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(stages[1](stages[0](images)), whole(pixel_values=images).logits)
