@@ -46,6 +46,10 @@ def cluster_args(argv):
     parser.add_argument("--sp_sizes", default="",
                         help="sequence-parallel sizes a search tries, comma-separated (ViT classifiers; default: the "
                              "recipe's sp_size): each splits the tokens over that many ranks of a node")
+    parser.add_argument("--pp_sizes", default="",
+                        help="pipeline sizes a search tries, comma-separated (ViT classifiers under fsdp2 and ddp; "
+                             "default: the recipe's pp_size): each cuts the blocks into that many stages over "
+                             "consecutive ranks")
     parser.add_argument("--top", type=int, default=10, help="configurations listed by a search")
     parser.add_argument("--allow_quantized", action="store_true",
                         help="let a search pick a configuration that changes the arithmetic (ZeRO++'s int8 weights "
@@ -105,13 +109,16 @@ def sharding(e: dict) -> str:
 
 def describe(e: dict) -> str:
     m, cal = e["memory"], e["calibrated"]
-    tp = e["tp_size"]
+    tp, pp = e["tp_size"], e.get("pp_size", 1)
     lines = [f"{e['model']} ({e['params'] / 1e9:.3f}B params" + (" per rank of a tensor group" if tp > 1 else "")
              + f"), {e['image_size']}px, {e['precision']} | {sharding(e)}"
              + (f" x tensor parallel {tp}" if tp > 1 else "")
              + (f" x sequence parallel {e['sp_size']}" if e.get("sp_size", 1) > 1 else "")
+             + (f" x pipeline {pp} ({e['pp_schedule']}, {e['pp_microbatches']} pieces a micro-batch, bubble "
+                f"{e['bubble']:.0%})" if pp > 1 else "")
              + f" | micro-batch {e['micro_batch_size']} x {e['grad_accum_steps']} accumulation x "
-             f"{e['world_size'] // tp // e.get('sp_size', 1)} {'data-parallel ' if tp * e.get('sp_size', 1) > 1 else ''}ranks "
+             f"{e['world_size'] // tp // e.get('sp_size', 1) // pp} "
+             f"{'data-parallel ' if tp * e.get('sp_size', 1) * pp > 1 else ''}ranks "
              f"= {e['global_batch']} images | ac {e['ac']} {e['plan']} | {e['world_size']} x {e['device']}, "
              f"{e['ranks_per_node']} per node",
              "per-rank peak memory (GiB): " + ", ".join(f"{k} {gib(v)}" for k, v in m.items())
@@ -134,8 +141,13 @@ def describe(e: dict) -> str:
              + (f" + sequence-parallel all-to-alls {e['sp_comm_s'] * 1e3:.1f} ms ("
                 f"{e['sp_comm_bytes_per_step_per_rank'] / 1e9:.2f} GB per rank within the node, not hidden)"
                 if e.get("sp_size", 1) > 1 else "")
+             + (f" + between stages {e['pp_comm_s'] * 1e3:.1f} ms ({e['pp_comm_bytes_per_step_per_rank'] / 1e9:.2f} GB "
+                f"per rank, not hidden)" if pp > 1 else "")
              + (f" + offload {e['offload']['offload_s'] * 1e3:.1f} ms" if e["offload"]["offload_s"] else "")
              + f" | {e['images_per_s']:.0f} images/s"]
+    if pp > 1:  # where the step's peak is, stage by stage
+        lines.append("stages (blocks: peak GiB, pieces held, ac plan): " + "; ".join(
+            f"{st['blocks']}: {gib(st['peak_bytes'])}, {st['held']}, {st['plan']}" for st in e["stages"]))
     h = e["host"]
     lines.append(f"host: {h['micro_s'] * 1e3:.1f} ms per micro-batch "
                  + ("measured (--calibration)" if h["measured"] else f"assumed ({e['assumptions']['op_overhead_s'] * 1e6:g} "
@@ -188,8 +200,15 @@ def by_sp_size(found: list, allow_quantized: bool = False) -> str:
                    lambda e: f", all-to-alls {e['sp_comm_s'] * 1e3:.0f} ms")
 
 
+def by_pp_size(found: list, allow_quantized: bool = False) -> str:
+    return by_size(found, "pp_size", "pipeline", allow_quantized,
+                   lambda e: f", bubble {e['bubble']:.0%} of {e['pp_microbatches']} pieces, between stages "
+                             f"{e['pp_comm_s'] * 1e3:.0f} ms" if e["pp_size"] > 1 else "")
+
+
 def by_tp_size(found: list, allow_quantized: bool = False) -> str:
-    return by_size([e for e in found if e["sp_size"] == 1], "tp_size", "tensor-parallel", allow_quantized)
+    return by_size([e for e in found if e["sp_size"] == 1 and e["pp_size"] == 1], "tp_size", "tensor-parallel",
+                   allow_quantized)
 
 
 def by_engine(found: list, allow_quantized: bool = False) -> str:
@@ -258,15 +277,18 @@ def why(best: dict, found: list) -> str:
 
 def table(found: list, top: int) -> str:
     sp = any(e["sp_size"] > 1 for e in found)  # the sequence-parallel columns when the search tried it
+    pp = any(e["pp_size"] > 1 for e in found)  # the pipeline's
     rows = ["| # | engine (++: ZeRO++, off: offload; *: changes the arithmetic) | TP |" + (" SP |" if sp else "")
+            + (" PP |" if pp else "")
             + " micro | accum | ac | peak GiB | step s | images/s | compute s | comm s | TP comm s |"
-            + (" SP comm s |" if sp else ""), "|---" * (12 + 2 * sp) + "|"]
+            + (" SP comm s |" if sp else "") + (" PP comm s |" if pp else ""), "|---" * (12 + 2 * sp + 2 * pp) + "|"]
     for i, e in enumerate(found[:top]):
         rows.append(f"| {i + 1} | {sharding(e)}{' *' if e.get('numerics') else ''} | {e['tp_size']} | "
-                    + (f"{e['sp_size']} | " if sp else "") + f"{e['micro_batch_size']} | "
+                    + (f"{e['sp_size']} | " if sp else "") + (f"{e['pp_size']} | " if pp else "")
+                    + f"{e['micro_batch_size']} | "
                     f"{e['grad_accum_steps']} | {e['ac']} | {gib(e['peak_bytes'])} | {e['step_s']:.3f} | "
                     f"{e['images_per_s']:.0f} | {e['compute_s']:.3f} | {e['comm_s']:.3f} | {e['tp_comm_s']:.3f} |"
-                    + (f" {e['sp_comm_s']:.3f} |" if sp else ""))
+                    + (f" {e['sp_comm_s']:.3f} |" if sp else "") + (f" {e.get('pp_comm_s', 0.0):.3f} |" if pp else ""))
     return "\n".join(rows)
 
 
@@ -436,11 +458,9 @@ def main(argv=None):
             return 0
         cfg = parse(rest)
         check_engine(cfg)
-        if cfg.pp_size > 1:
-            raise ConfigError("pp_size > 1: the planner does not model pipeline stages yet (their bubble, per-stage "
-                              "peaks and the activations sent between them); plan at pp_size 1")
-        if cfg.tp_size > 1 and (a.calibrate or a.calibration):
-            raise ConfigError("a calibration measures the model unsplit: calibrate and plan with it at tp_size 1")
+        if cfg.model_parallel > 1 and (a.calibrate or a.calibration):
+            raise ConfigError("a calibration measures the model unsplit: calibrate and plan with it at tp_size, "
+                              "sp_size and pp_size 1")
         precision = cfg.precision if cfg.precision != "auto" else ("bf16" if a.device != "cpu" else "fp32")
         if a.calibrate:
             stages = [s.strip() for s in a.host_stages.split(",")]
@@ -466,7 +486,8 @@ def main(argv=None):
             engines = [cfg.engine] if any(x == "--engine" or x.startswith("--engine=") for x in rest) else None
             found = search(cfg, ds_for, precision, a.world_size, a.ranks_per_node, device, a.global_batch, mfu,
                            a.overlap, mbu=mbu, rates=rates, tp=tp_candidates(a.tp_sizes, "--tp_sizes"),
-                           sp=tp_candidates(a.sp_sizes, "--sp_sizes"), engines=engines)
+                           sp=tp_candidates(a.sp_sizes, "--sp_sizes"), pp=tp_candidates(a.pp_sizes, "--pp_sizes"),
+                           engines=engines)
             if not found:
                 smallest, with_offload = smallest_cluster(cfg, ds_for, precision, a.ranks_per_node, device)
                 raise ConfigError(
@@ -480,6 +501,7 @@ def main(argv=None):
                 print(json.dumps({"best": best, "feasible": found[:a.top], "count": len(found)}, indent=1))
             searched = (f"{len(found)} configurations fit; the fastest {min(a.top, len(found))}:\n{table(found, a.top)}"
                         f"{by_tp_size(found, a.allow_quantized)}{by_sp_size(found, a.allow_quantized)}"
+                        f"{by_pp_size(found, a.allow_quantized)}"
                         f"{by_engine(found, a.allow_quantized)}\n\nbest:\n"
                         f"{describe(best)}\n{why(best, found)}")
             if not a.json:
@@ -489,7 +511,8 @@ def main(argv=None):
                                                f"{a.global_batch}: the {min(a.top, len(found))} fastest that fit")
             if a.out:
                 chosen = replace(cfg, engine=best["engine"], zero_stage=best["zero_stage"], tp_size=best["tp_size"],
-                                 sp_size=best["sp_size"],
+                                 sp_size=best["sp_size"], pp_size=best["pp_size"],
+                                 pp_microbatches=best.get("pp_microbatches", 0),
                                  replicate_degree=best["replicate_degree"],
                                  micro_batch_size=best["micro_batch_size"],
                                  grad_accum_steps=best["grad_accum_steps"], ac=best["ac"], precision=precision,

@@ -73,7 +73,7 @@ class DDPEngine(TorchEngine):
             pipeline.split(model, stage, cfg.pp_size)
             log(pipeline.describe(cfg, blocks))
         fixed = cls.memory(cfg, cls.sizes(model), world_size, precision, config, device_type == "cuda")[1]
-        ac_plan = apply_ac(model, cfg, fixed, precision, device_type, log)
+        ac_plan = apply_ac(model, cfg, fixed, precision, device_type, log, stage)
         device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
         model.to(device)
         if cfg.compile:

@@ -112,7 +112,7 @@ class FSDP2Engine(TorchEngine):
             log(pipeline.describe(cfg, blocks))
         data_ranks = world_size // cfg.pp_size
         fixed = fsdp2_memory_bytes(*memory_args(cfg, cls.sizes(model), data_ranks, precision, device_type == "cuda"))
-        ac_plan = apply_ac(model, cfg, fixed, precision, device_type, log)
+        ac_plan = apply_ac(model, cfg, fixed, precision, device_type, log, stage)
         shard(model, precision, device, reshard=cfg.zero_stage == 3, compile_blocks=cfg.compile,
               replicate=cfg.replicate_degree, mesh=mesh["dp"] if mesh is not None else None)
         if cfg.compile:

@@ -8,16 +8,19 @@ from ac.profile import profile_model
 from config import Config
 from engine.ds_config import DTYPES
 from models.blocks import find_blocks
+from parallel import pipeline
 
 
-def apply_ac(model, cfg: Config, fixed: dict, precision: str, device_type: str, log) -> dict:
+def apply_ac(model, cfg: Config, fixed: dict, precision: str, device_type: str, log, stage: int = 0) -> dict:
     """Activation checkpointing per `cfg.ac`; `auto` budgets the activations against `fixed`, what the engine
     holds beside them (engine/memory.py; the benchmark's plain FSDP2 wraps its blocks through this function too,
     benchmarks/bench_worker.py). The profile is the planner's: the run's model on the meta device, in the run's
     precision, with the attention kernel of this device, so that no weight is gathered or allocated for it
-    (ac/profile.py). Returns the plan (ac_plan.json)."""
+    (ac/profile.py); under a pipeline, of pipeline stage `stage`: its blocks with the pieces it holds at once
+    (parallel/pipeline.py's stage_profile), so that `auto` recomputes more on the early stages, which hold more.
+    Returns the plan (ac_plan.json)."""
     measured = profile_model(cfg, device_type, DTYPES[precision])[0]
     if cfg.pp_size > 1:  # the model holds a pipeline stage's blocks
-        measured = measured.stage_share([b.name for b in find_blocks(model)])
+        measured = pipeline.stage_profile(measured, [b.name for b in find_blocks(model)], cfg, stage)
     return apply_activation_checkpointing(model, cfg.ac, device_type, fixed=fixed, log=log, profile=measured,
                                           compiled=cfg.compile)

@@ -59,6 +59,21 @@ def microbatches(pp_size: int, pp_microbatches: int, micro_batch_size: int) -> i
     return next((m for m in divisors if bubble(pp_size, m) <= MAX_BUBBLE), micro_batch_size)
 
 
+def in_flight(schedule: str, stage: int, stages: int, pieces: int) -> int:
+    """The pieces whose activations stage `stage` holds at once: under 1F1B its warm-up forwards, min(M, P - s)
+    (torch's Schedule1F1B runs a backward before each later forward), under GPipe all M."""
+    return pieces if schedule == "gpipe" else min(pieces, stages - stage)
+
+
+def stage_profile(profile, names: list[str], cfg, stage: int):
+    """ac/profile.py's `Profile` of the whole model at the micro-batch -> what stage `stage` holds at its peak:
+    its blocks (`names`), each with the activations of the pieces in flight (`in_flight` of M pieces of
+    micro_batch_size / M images), which `auto` budgets and the planner counts."""
+    pieces = microbatches(cfg.pp_size, cfg.pp_microbatches, cfg.micro_batch_size)
+    held = in_flight(cfg.pp_schedule, stage, cfg.pp_size, pieces)
+    return profile.stage_share(names).scaled(held / pieces)
+
+
 def stage_blocks(blocks: int, stages: int) -> list[range]:
     """The blocks each stage holds, in order, as even as they divide; the remainder goes to the later stages,
     which hold fewer pieces' activations under 1F1B (and the first also holds the embeddings)."""

@@ -1,5 +1,6 @@
 """Per-rank peak memory by part and the step time of one configuration on a cluster."""
 import math
+from dataclasses import replace
 
 from ac.budget import plan_figures, recompute_elems
 from ac.policies import choose_plan
@@ -10,6 +11,7 @@ from engine.ds_config import DTYPES
 from engine.memory import offloaded, offloaded_bytes
 from engine.registry import engine_class
 from models.blocks import Block
+from parallel import pipeline
 from planner.devices import ALLOCATOR_MARGIN, DEFAULT_MBU, DEFAULT_MFU, RESERVED_GIB, Device, target
 from planner.host import host_seconds, probed_engine
 
@@ -53,8 +55,10 @@ def _blocks_of(prof):
 
 def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, ranks_per_node: int, device: Device,
              mfu: float = DEFAULT_MFU, overlap: float = 0.0, measured=None, mbu: float = DEFAULT_MBU,
-             rates=None) -> dict:
+             rates=None, held: float = 1.0) -> dict:
     """Per-rank peak memory by part and step time of one configuration. `measured`: a profile_model() result to reuse.
+    `held`: the share of the micro-batch whose activations are held at once (a pipeline stage's pieces in flight,
+    pipeline_estimate); the plan and the peak are computed on it, the time on the whole micro-batch.
 
     The step's compute is its matmuls' FLOPs at `mfu` of the device's peak, plus what its memory-bound
     operators (norms, activations, softmax, adds, copies, the optimizer) read and write at `mbu` of its memory
@@ -73,6 +77,9 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
     sequence parallelism (`cfg.sp_size`) the blocks' profile is a rank's share of the tokens
     (Profile.sequence_share), ZeRO still partitions over every rank, the sp_size ranks of a group read one
     micro-batch, and the all-to-alls (sp_alltoall_bytes) run over the node's links, not overlapped."""
+    if cfg.pp_size > 1:
+        return pipeline_estimate(cfg, ds_config, precision, world_size, ranks_per_node, device, mfu, overlap,
+                                 measured, mbu, rates)
     prof, n_params, largest = measured or profile_model(cfg, target(device), DTYPES[precision])
     sp = cfg.sp_size
     prof = prof.sequence_share(sp)  # a rank's share of the blocks' tokens
@@ -84,13 +91,15 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
     # the stem, the final norm and the head: the parameters outside the blocks
     sizes = Sizes(n_params, n_params - sum(p.params for p in prof), largest)
     parts, fixed = engine.memory(cfg, sizes, data_ranks, precision, ds_config, target(device) != "cpu")
-    plan = choose_plan(cfg.ac, _blocks_of(prof), prof, fixed)
-    figures = plan_figures(prof, plan, fixed)
+    prof_held = prof.scaled(held) if held != 1 else prof  # what the peak holds
+    plan = choose_plan(cfg.ac, _blocks_of(prof), prof_held, fixed)
+    figures = plan_figures(prof_held, plan, fixed)
     activations = figures["activation_peak_planned"]
     peak = figures["peak_bytes_planned"]
     weight_bytes = 2 if precision in ("bf16", "fp16") else 4
     images = cfg.micro_batch_size * cfg.grad_accum_steps
-    recompute = figures["recompute_matmul_flops"] / cfg.micro_batch_size  # per image
+    recompute = (figures if held == 1 else plan_figures(prof, plan, fixed))["recompute_matmul_flops"] \
+        / cfg.micro_batch_size  # per image
     flops = images * (3 * fwd_flops + recompute)
     # memory traffic of a micro-batch: forward, backward, and the recomputed cheap ops (read twice, written once)
     rerun = sum(recompute_elems(p, how) for p, how in zip(prof, plan))
@@ -155,7 +164,7 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
         "micro_batch_size": cfg.micro_batch_size,
         "grad_accum_steps": cfg.grad_accum_steps, "ac": cfg.ac, "plan": {h: plan.count(h) for h in set(plan)},
         "world_size": world_size, "ranks_per_node": ranks_per_node, "device": device.name, "tp_size": tp,
-        "sp_size": sp, "global_batch": images * batch_ranks,
+        "sp_size": sp, "pp_size": 1, "global_batch": images * batch_ranks,
         "memory": {**{k: v for k, v in parts.items() if k != "optimizer_step_temporaries"},
                    "activations": activations, "optimizer_step_temporaries": parts["optimizer_step_temporaries"]},
         "peak_bytes": peak, "peak_moment": "backward" if peak > fixed["optimizer_step"] else "optimizer_step",
@@ -170,7 +179,7 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
         "tp_comm_bytes_per_step_per_rank": tp_bytes, "tp_comm_s": tp_s,
         "sp_comm_bytes_per_step_per_rank": sp_bytes, "sp_comm_s": sp_s,
         "ds_config_template": cfg.ds_config, "compute_s": compute_s, "memory_bound_s": memory_s, "comm_s": comm_s,
-        "step_s": step_s, "memory_bytes_per_step_per_rank": moved * cfg.grad_accum_steps + optimizer_moved,
+        "step_s": step_s, "micro_s": micro_s, "optimizer_s": optimizer_s, "memory_bytes_per_step_per_rank": moved * cfg.grad_accum_steps + optimizer_moved,
         "images_per_s": images * batch_ranks / step_s,
         "calibrated": {k: v for k, v in rates.items() if k != "host"} if rates else None,
         "host": {"micro_s": host_micro_s, "device_micro_s": device_micro_s, "bound": host_micro_s > device_micro_s,
@@ -180,3 +189,60 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
                         "op_overhead_s": device.op_overhead_s, "ops_per_forward": n_ops,
                         "host_gbs": device.host_gbs, "host_adam_params_per_s": HOST_ADAM_PARAMS_PER_S},
     }
+
+
+def pipeline_estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, ranks_per_node: int,
+                      device: Device, mfu: float = DEFAULT_MFU, overlap: float = 0.0, measured=None,
+                      mbu: float = DEFAULT_MBU, rates=None) -> dict:
+    """estimate() of a pipeline (`cfg.pp_size` stages, parallel/pipeline.py): each stage estimated as a model of
+    its own blocks on world_size / pp_size data-parallel ranks (ranks_per_node / pp_size of them on a node, since
+    consecutive ranks form a pipeline), the stem's and the head's parameters, activations and work shared by the
+    first and last stages, its peak with the activations of the pieces it holds at once (`in_flight`: 1F1B's
+    first stage the most). The step: the slowest stage's micro-batch stretched by the bubble, (M + P - 1) / M,
+    plus the activations and their gradients sent between stages (each boundary's tensor is a block's input,
+    `bytes_full`; within a node when a pipeline fits in one, else between nodes; not overlapped), plus the
+    slowest stage's optimizer step and data-parallel collectives. The peak is the largest stage's."""
+    prof, n_params, largest = measured or profile_model(cfg, target(device), DTYPES[precision])
+    stages = cfg.pp_size
+    pieces = pipeline.microbatches(stages, cfg.pp_microbatches, cfg.micro_batch_size)
+    names = [p.name for p in prof]
+    outside = {"params": n_params - sum(p.params for p in prof),
+               "forward_flops": prof.forward_flops - sum(p.flops for p in prof),
+               "ops": prof.ops - sum(p.ops for p in prof), "moved_bytes": prof.moved_bytes - sum(p.moved for p in prof),
+               "bytes_outside": prof.bytes_outside, "grad_outside": prof.grad_outside}
+    per_stage, cuts = [], pipeline.stage_blocks(len(prof), stages)
+    # consecutive ranks form a pipeline: a stage's data-parallel ranks, one per pipeline, are this many a node
+    stage_per_node = ranks_per_node // stages if ranks_per_node % stages == 0 else 1
+    for s, blocks in enumerate(cuts):
+        work = prof.stage_share(names[blocks.start:blocks.stop])
+        share = ((s == 0) + (s == stages - 1)) / 2  # the stem on the first stage, the norm and head on the last
+        work.forward_flops = sum(p.flops for p in work) + round(outside["forward_flops"] * share)
+        work.ops = sum(p.ops for p in work) + round(outside["ops"] * share)
+        work.moved_bytes = sum(p.moved for p in work) + round(outside["moved_bytes"] * share)
+        work.bytes_outside = round(outside["bytes_outside"] * share)
+        work.grad_outside = round(outside["grad_outside"] * share)
+        params = sum(p.params for p in work) + round(outside["params"] * share)
+        held = pipeline.in_flight(cfg.pp_schedule, s, stages, pieces) / pieces
+        per_stage.append(estimate(replace(cfg, pp_size=1), ds_config, precision, world_size // stages,
+                                  stage_per_node, device, mfu, overlap, (work, params, largest), mbu, rates, held))
+    accum = cfg.grad_accum_steps
+    stretched = max(e["micro_s"] for e in per_stage) * (pieces + stages - 1) / pieces
+    within = stages <= ranks_per_node and ranks_per_node % stages == 0
+    pp_bytes = 2 * prof[0].bytes_full * accum  # a middle stage's: the activations on, their gradients back
+    pp_s = pp_bytes / ((device.intra_gbs if within else device.inter_gbs) * 1e9)
+    rest = max(e["step_s"] - e["micro_s"] * accum for e in per_stage)  # optimizer, collectives, offload
+    step_s = rest + stretched * accum + pp_s
+    first = max(per_stage, key=lambda e: e["peak_bytes"])
+    images = cfg.micro_batch_size * accum * world_size // (cfg.tp_size * cfg.sp_size * stages)
+    return {**first, "params": n_params, "world_size": world_size, "ranks_per_node": ranks_per_node,
+            "pp_size": stages,
+            "pp_schedule": cfg.pp_schedule, "pp_microbatches": pieces,
+            "bubble": pipeline.bubble(stages, pieces), "global_batch": images,
+            "stages": [{"blocks": f"{r.start}-{r.stop - 1}", "peak_bytes": e["peak_bytes"], "micro_s": e["micro_s"],
+                        "plan": e["plan"], "held": pipeline.in_flight(cfg.pp_schedule, s, stages, pieces)}
+                       for s, (r, e) in enumerate(zip(cuts, per_stage))],
+            "peak_bytes": first["peak_bytes"], "fits": all(e["fits"] for e in per_stage),
+            "plan": {h: sum(e["plan"].get(h, 0) for e in per_stage) for h in {h for e in per_stage for h in e["plan"]}},
+            "pp_comm_bytes_per_step_per_rank": pp_bytes, "pp_comm_s": pp_s,
+            "compute_s": stretched * accum + max(e["optimizer_s"] for e in per_stage),
+            "step_s": step_s, "images_per_s": images / step_s}

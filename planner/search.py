@@ -7,7 +7,7 @@ from engine.deepspeed_zero import OFFLOAD_TEMPLATE, DeepSpeedEngine
 from engine.ds_config import DTYPES
 from engine.registry import ENGINES
 from models.registry import model_config
-from parallel import sequence
+from parallel import pipeline, sequence
 from parallel.tensor import check_tp
 from planner.devices import DEFAULT_MBU, DEFAULT_MFU, Device, target
 from planner.estimate import estimate
@@ -31,7 +31,7 @@ def tp_sizes(cfg: Config, world_size: int, ranks_per_node: int) -> list:
 
 def search(cfg: Config, ds_config_for, precision: str, world_size: int, ranks_per_node: int, device: Device,
            global_batch: int, mfu: float = DEFAULT_MFU, overlap: float = 0.0, policies=None,
-           mbu: float = DEFAULT_MBU, rates=None, tp=None, engines=None, sp=None) -> list:
+           mbu: float = DEFAULT_MBU, rates=None, tp=None, engines=None, sp=None, pp=None) -> list:
     """Every (engine and its variant, tensor-parallel size, micro-batch, accumulation, ac policy) whose global batch
     is `global_batch` and whose peak fits, fastest first. `ds_config_for(cfg)`: the engine config of a candidate.
     `engines`: the engines to try (default every one in engine/registry.py), each with the variants its
@@ -39,6 +39,8 @@ def search(cfg: Config, ds_config_for, precision: str, world_size: int, ranks_pe
     HSDP across nodes; DDP). `tp`: the tensor-parallel sizes to try (default tp_sizes()), each checked against the
     model and cluster. `sp`: the sequence-parallel sizes to try (default cfg.sp_size), each checked against the
     model (parallel/sequence.py) and within a node, and searched without tensor parallelism (they do not compose).
+    `pp`: the pipeline sizes to try (default cfg.pp_size), each checked against the model (parallel/pipeline.py)
+    and searched alone, under the engines that run a pipeline (FSDP2, DDP), with the pieces pp_microbatches gives.
     `rates`: a calibration of cfg's micro-batch (estimate()), which then is the only micro-batch and the only
     tensor-parallel size (cfg's) searched."""
     policies = policies or ("none", "light", "selective", "full")
@@ -47,7 +49,7 @@ def search(cfg: Config, ds_config_for, precision: str, world_size: int, ranks_pe
         model = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size)
         for size in tp:
             check_tp(model, size, world_size, ranks_per_node)
-    layouts = [(size, cfg.sp_size if size == 1 else 1)
+    layouts = [(size, cfg.sp_size if size == 1 else 1, cfg.pp_size if size == 1 else 1)
                for size in ([cfg.tp_size] if rates else tp or tp_sizes(cfg, world_size, ranks_per_node))]
     for split in sp or []:  # each sequence-parallel size, without tensor parallelism
         model = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size)
@@ -55,13 +57,19 @@ def search(cfg: Config, ds_config_for, precision: str, world_size: int, ranks_pe
             raise ConfigError(f"--sp_sizes: {why}")
         if split > ranks_per_node:
             raise ConfigError(f"--sp_sizes: a sequence group of {split} ranks spans nodes ({ranks_per_node} per node)")
-        layouts.append((1, split))
+        layouts.append((1, split, 1))
+    for stages in pp or []:  # each pipeline size, alone
+        model = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size)
+        if why := pipeline.check(model, replace(cfg, pp_size=stages, tp_size=1, sp_size=1, engine="fsdp2",
+                                                replicate_degree=1, ema_decay=0.0), world_size):
+            raise ConfigError(f"--pp_sizes: {why}")
+        layouts.append((1, 1, stages))
     layouts, profiles = list(dict.fromkeys(layouts)), {}
-    if all(global_batch % (world_size // (size * split)) for size, split in layouts):
+    if all(global_batch % (world_size // (size * split * stages)) for size, split, stages in layouts):
         raise ConfigError(f"global batch {global_batch} is not a multiple of the world size {world_size}"
                           + (" over any tensor or sequence group searched" if len(layouts) > 1 else ""))
-    for size, split in layouts:
-        batch_ranks = world_size // (size * split)  # ranks reading different micro-batches
+    for size, split, stages in layouts:
+        batch_ranks = world_size // (size * split * stages)  # ranks reading different micro-batches
         if global_batch % batch_ranks:
             continue
         per_rank = global_batch // batch_ranks  # images per data-parallel rank
@@ -76,13 +84,17 @@ def search(cfg: Config, ds_config_for, precision: str, world_size: int, ranks_pe
                                            target(device), DTYPES[precision])
         base = profiles[size]
         variants = [(name, v) for name, e in ENGINES.items() if not engines or name in engines
-                    for v in e.search_variants(world_size, ranks_per_node, size)]
+                    if stages == 1 or e.capabilities.pipeline
+                    for v in e.search_variants(world_size, ranks_per_node, size)
+                    if stages == 1 or v.get("replicate_degree", 1) == 1]
         for engine, variant in variants:
             for micro in micro_batches:
+                if stages > 1 and micro % pipeline.microbatches(stages, cfg.pp_microbatches, micro):
+                    continue  # the given pieces do not divide this micro-batch
                 scaled = (base[0].scaled(micro / PROFILE_BATCH), *base[1:])
                 for ac in policies:
                     candidate = replace(cfg, **{"engine": engine, "micro_batch_size": micro, "tp_size": size,
-                                                "sp_size": split,
+                                                "sp_size": split, "pp_size": stages,
                                                 "grad_accum_steps": per_rank // micro, "ac": ac, "ds_config": "",
                                                 "replicate_degree": 1, **variant})
                     est = estimate(candidate, ds_config_for(candidate), precision, world_size, ranks_per_node,

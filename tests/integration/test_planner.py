@@ -297,3 +297,31 @@ def test_a_written_plan_composes_with_the_keys_a_run_adds(debug_args, tmp_path):
                                "--resume", run / "checkpoints" / "step0000002"], nproc=1)
     assert "at step 2" in proc.stdout
     assert json.loads((resumed / "ds_config.json").read_text())["gradient_accumulation_steps"] == 2
+
+
+def test_a_search_over_pipeline_sizes_says_what_each_costs_and_a_pipelined_plan_runs(tmp_path):
+    """--pp_sizes adds pipelines (FSDP2 and DDP only) to the search: the table's PP columns, the fastest of each
+    size with its bubble and its traffic between stages; a plan of one pipeline prints each stage's peak, and
+    the recipe it writes keeps pp_size."""
+    args = ["--model", "vit-large", "--image_size", 224, "--num_labels", 1000, "--precision", "bf16", "--device",
+            "h100-80gb", "--world_size", 16, "--ranks_per_node", 8, "--global_batch", 1024, "--tp_sizes", 1]
+    proc = plan(*args, "--pp_sizes", "2,4", "--json", "--top", 1000)
+    assert proc.returncode == 0, proc.stderr
+    found = json.loads(proc.stdout)["feasible"]
+    staged = [e for e in found if e["pp_size"] > 1]
+    assert {e["pp_size"] for e in staged} == {2, 4} and {e["engine"] for e in staged} <= {"fsdp2", "ddp"}
+    assert all(e["global_batch"] == 1024 and e["micro_batch_size"] % e["pp_microbatches"] == 0 and
+               e["bubble"] == pytest.approx((e["pp_size"] - 1) / (e["pp_microbatches"] + e["pp_size"] - 1))
+               for e in staged)
+    text = plan(*args, "--pp_sizes", "2,4").stdout
+    assert "| PP |" in text and re.search(r"\n  pp 4: .*bubble \d+% of \d+ pieces, between stages \d+ ms, "
+                                          r"[\d.]+x pp 1's", text)
+    one = plan("--model", "vit-large", "--image_size", 224, "--num_labels", 1000, "--precision", "bf16",
+               "--device", "h100-80gb", "--world_size", 16, "--ranks_per_node", 8, "--engine", "fsdp2",
+               "--pp_size", 4, "--micro_batch_size", 32)
+    assert one.returncode == 0, one.stderr
+    assert "x pipeline 4 (1f1b, 16 pieces a micro-batch, bubble 16%)" in one.stdout
+    assert re.search(r"stages \(blocks: peak GiB, pieces held, ac plan\): 0-5: [\d.]+, 4, .*; 18-23: [\d.]+, 1, ",
+                     one.stdout)
+    bad = plan(*args, "--pp_sizes", "3")
+    assert bad.returncode == 2 and bad.stderr == "error: --pp_sizes: pp_size 3 does not divide the world size (16)\n"

@@ -71,3 +71,28 @@ def test_a_stage_keeps_its_modules_under_their_own_names_and_computes_its_part()
     images = torch.randn(4, 3, 16, 16)
     with torch.no_grad():
         torch.testing.assert_close(stages[1](stages[0](images)), whole(pixel_values=images).logits)
+
+
+@pytest.mark.parametrize("schedule, held", [("1f1b", [4, 3, 2, 1]), ("gpipe", [8, 8, 8, 8])])
+def test_a_stage_holds_the_pieces_its_schedule_keeps_in_flight(schedule, held):
+    assert [pipeline.in_flight(schedule, s, 4, 8) for s in range(4)] == held
+    assert pipeline.in_flight("1f1b", 0, 4, 2) == 2  # never more than there are
+
+
+def test_auto_recomputes_more_on_the_first_stage_which_holds_more_pieces():
+    """vit-digits on two 1F1B stages, 4 pieces: stage 0 holds 2 pieces' activations at once, stage 1 one; at a
+    budget between what they need, `auto` keeps every activation on stage 1 and recomputes on stage 0."""
+    from ac.policies import choose_plan
+    from ac.profile import profile_model
+    from planner.estimate import _blocks_of
+
+    cfg = parse(["--engine", "fsdp2", "--pp_size", "2", "--model", "vit-digits", "--image_size", "16"])
+    whole = profile_model(cfg, "cpu")[0]
+    names = [[p.name for p in whole][r.start:r.stop] for r in pipeline.stage_blocks(len(whole), 2)]
+    stages = [pipeline.stage_profile(whole, names[s], cfg, s) for s in range(2)]
+    kept = [sum(p.bytes_none for p in prof) for prof in stages]
+    assert kept[0] == pytest.approx(2 * kept[1], rel=0.01)
+    fixed = {"backward": 0, "optimizer_step": 0}
+    budget = (stages[1].bytes_outside + (kept[0] + kept[1]) / 2) / 2**30  # room for stage 1's, not stage 0's
+    plans = [choose_plan(f"auto:{budget}", _blocks_of(prof), prof, fixed) for prof in stages]
+    assert plans[1] == ["none"] * 3 and plans[0] != ["none"] * 3, plans
