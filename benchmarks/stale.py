@@ -3,6 +3,7 @@
     .venv/bin/python -m benchmarks.stale            # list the reports whose measured code changed; exit 1 if one
                                                     # of them does not say so in its header
     .venv/bin/python -m benchmarks.stale --mark     # write the **Stale** line into each of those headers
+    .venv/bin/python -m benchmarks.stale --checked WHY   # or: reviewed, they leave the figures as they were
 
 MEASURED names, for every report folder under benchmarks/results/, the paths whose change can move its figures
 (or why none are checked). A report ran at the commit its environment.json (`git_commit`) or its header
@@ -159,9 +160,27 @@ def why(folder: str, commits: list, dirty: list) -> str:
     return f"its measured code changed after this run ({', '.join(tops)}; {count})"
 
 
+def add_checked(folder: str, commit: str, reason: str):
+    """`**Checked** at <commit>: <the reasons so far>; <reason>` in the report's header (after its title)."""
+    path = report_file(folder)
+    text = open(path).read()
+    head, sep, rest = text.partition("\n## ")
+    if m := CHECKED.search(head):
+        line = f"**Checked** at `{commit}`: {m.group(2).rstrip('.')}; {reason}"
+        head = head[:m.start()] + line + head[m.end():]
+    else:
+        title, _, body = head.partition("\n")
+        head = f"{title}\n\n**Checked** at `{commit}`: {reason}\n{body}"
+    with open(path, "w") as f:
+        f.write(head + sep + rest)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mark", action="store_true", help="write the Stale line into each stale report without one")
+    p.add_argument("--checked", metavar="WHY",
+                   help="the changes since each unmarked stale report ran were reviewed and leave its figures as they "
+                        "are, because WHY: move its Checked line to HEAD (committed), WHY added to its reasons")
     a = p.parse_args(argv)
     if git("rev-parse", "--is-shallow-repository") == "true":
         print("a shallow clone: the history to check against is missing (git fetch --unshallow)", file=sys.stderr)
@@ -172,7 +191,12 @@ def main(argv=None) -> int:
         state = "marked" if marked else "NOT MARKED"
         print(f"{folder}: ran at {commit[:7]}; since then {why(folder, commits, dirty)} [{state}]")
         if not marked:
-            if a.mark:
+            if a.checked:
+                if dirty:
+                    print(f"{folder}: commit the changes first (--checked moves the line to a commit)", file=sys.stderr)
+                    return 2
+                add_checked(folder, git("rev-parse", "--short", "HEAD"), a.checked)
+            elif a.mark:
                 mark_stale(os.path.join(RESULTS, folder), since, why(folder, commits, dirty))
             else:
                 unmarked.append(folder)
