@@ -12,7 +12,8 @@ from benchmarks.fault_injection import Episode, can_mount, run_all
 CASES = [("kill-save", 3, "fork"), ("kill-eval", 2, "fork"), ("kill-export", 1, "fork"),
          ("enospc", 3, "fork"), ("disk-full", 2, "fork"), ("shard-truncate", 2, "fork"),
          pytest.param("sigterm", 2, "accelerate", marks=pytest.mark.slow),  # SIGTERM: also tests/integration/test_reliability.py
-         ("kill-rank", 3, "torchrun"),
+         # kill -9 of one rank: test_reliability's default case (deepspeed's launcher) and test_pipeline's slow one
+         pytest.param("kill-rank", 3, "torchrun", marks=pytest.mark.slow),
          # a stall waits out dist_timeout; test_reliability stalls a rank under deepspeed's launcher by default
          pytest.param("stall", 2, "torchrun", marks=pytest.mark.slow),
          pytest.param("stall", 1, "accelerate", marks=pytest.mark.slow)]

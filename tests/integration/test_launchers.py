@@ -57,6 +57,7 @@ def test_accelerate_fsdp_plugin_runs_the_fsdp2_engine(debug_args, tmp_path):
     assert [r["loss"] for r in read_metrics(run)] == [r["loss"] for r in read_metrics(tmp_path / "fork")]
 
 
+@pytest.mark.slow  # ZeRO-Offload's CPU Adam, a path few runs take; ~20 s
 def test_accelerate_zero3_offload_steps_with_cpu_adam(stage_runs, debug_args, tmp_path, cpu_adam):
     """accelerate_configs/zero3_offload.yaml: ZeRO-3 with the optimizer states and parameter partitions in CPU
     memory, stepped by DeepSpeed's CPU Adam (built at the session's start: conftest.deepspeed_ops), giving the losses torch's AdamW gives under

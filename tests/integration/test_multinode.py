@@ -84,7 +84,9 @@ def test_slurm_hostlist_expansion():
 
 # accelerate's launcher trains in the default suite: tests/integration/test_launchers.py::test_accelerate_launch_two_ranks
 # and its DeepSpeed plugin's case
-@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun", pytest.param("accelerate", marks=pytest.mark.slow)])
+# the torchrun node script in the default suite; deepspeed's and accelerate's under -m slow (~18 s each)
+@pytest.mark.parametrize("launcher", [pytest.param("deepspeed", marks=pytest.mark.slow), "torchrun",
+                                      pytest.param("accelerate", marks=pytest.mark.slow)])
 def test_slurm_node_script_on_two_nodes(launcher, node_args, one_node, tmp_path):
     """launch/node.sh, as each sbatch script runs it through srun on every node, with the variables Slurm sets
     for a 2-node job: the ranks find each other from them and train as the single node does (6 steps: warm-up

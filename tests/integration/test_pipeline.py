@@ -110,3 +110,46 @@ def test_two_pipelines_of_two_stages_train_as_two_data_ranks(debug_args, tmp_pat
     launch(args + ["--pp_size", "2", "--output_dir", again, "--resume", grid / "checkpoints" / "step0000003"],
            nproc=4)
     assert {s: r["loss"] for s, r in steps(again).items()} == {s: r["loss"] for s, r in steps(grid).items() if s > 3}
+
+
+@pytest.mark.slow
+def test_a_stage_killed_mid_run_ends_the_job_and_the_relaunch_resumes_exactly(debug_args, tmp_path):
+    """kill -9 of rank 1 (the last stage) of a two-stage FSDP2 job under torchrun after its step-10 checkpoint:
+    the job ends within seconds (rank 0 is not left waiting on a receive), and `--resume latest` goes on to the
+    uninterrupted two-stage run's losses bitwise."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    import psutil
+    from conftest import REPO, free_port, launcher_command
+
+    args = debug_args + ["--model", "vit-digits", "--engine", "fsdp2", "--pp_size", "2", "--max_steps", "30",
+                         "--save_every", "10", "--eval_every", "0", "--preempt_grace", "2"]
+    reference = tmp_path / "reference"
+    launch(args + ["--output_dir", reference])
+    run = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env.pop("RANK", None)
+    cmd = launcher_command("torchrun", 2, str(free_port())) + [str(a) for a in args + ["--output_dir", run]]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "checkpoints" / "step0000010" / "train_state.json").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+            time.sleep(0.02)
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "train.py" in " ".join(p.cmdline())]
+        victim = next(p for p in ranks if p.environ().get("RANK") == "1")
+        killed = time.monotonic()
+        victim.kill()
+        out = proc.communicate(timeout=60)[0]
+        assert proc.returncode != 0 and time.monotonic() - killed < 30, out[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    proc = launch(args + ["--output_dir", run, "--resume", "latest"])
+    assert "at step 10" in proc.stdout or "at step 20" in proc.stdout
+    got, expected = steps(run), steps(reference)
+    assert {s: got[s]["loss"] for s in range(21, 31)} == {s: expected[s]["loss"] for s in range(21, 31)}

@@ -74,3 +74,24 @@ def test_a_split_run_resumes_exactly_split_and_whole(debug_args, tmp_path):
     for s in range(6, 11):
         assert got[s]["loss"] == pytest.approx(expected[s]["loss"], rel=1e-5), s
         assert got[s]["grad_norm"] == pytest.approx(expected[s]["grad_norm"], rel=1e-5), s
+
+
+@pytest.mark.slow
+def test_two_sequence_groups_train_as_two_data_ranks(debug_args, tmp_path):
+    """4 ranks as 2 data ranks x 2 sequence ranks under FSDP2 against 2 data ranks without the split: the same
+    global batch, the same losses and gradient norms within fp32 reduction order, the same val top-1."""
+    args = debug_args + ["--model", "vit-debug", "--engine", "fsdp2", "--max_steps", "6", "--eval_every", "6",
+                         "--save_every", "0"]
+    flat = tmp_path / "flat"
+    launch(args + ["--output_dir", flat])
+    grid = tmp_path / "grid"
+    proc = launch(args + ["--sp_size", "2", "--output_dir", grid], nproc=4)
+    assert "= 2 data x 2 sequence parallel" in proc.stdout
+    expected, got = read_metrics(flat), read_metrics(grid)
+    train = [(a, b) for a, b in zip(expected, got) if "loss" in a]
+    assert len(train) == 6
+    for a, b in train:
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), a["step"]
+    evals = [(a, b) for a, b in zip(expected, got) if "val_top1" in a]
+    assert evals and all(b["val_top1"] == a["val_top1"] for a, b in evals)

@@ -29,7 +29,7 @@ def test_every_refusal_comes_from_the_one_table():
     assert {f.capability for f in FEATURES} == {f.name for f in dataclasses.fields(Capabilities)}
     caps = {n: e.capabilities for n, e in ENGINES.items()}
     cases = {"tp_size": 2, "optimizer": "muon", "ds_config": "x.json", "precision": "fp16", "async_save": True,
-             "replicate_degree": 2}
+             "replicate_degree": 2, "pp_size": 2}
     for f in FEATURES:
         cfg = Config(**{f.key: cases[f.key]})
         for name, engine in ENGINES.items():
