@@ -49,6 +49,7 @@ MEASURED = {
     "host": WORKER + PLANNER + ("benchmarks/suites.py", "benchmarks/report.py"),
     "host-compiled": WORKER + PLANNER + ("benchmarks/suites.py", "benchmarks/report.py"),
     "host-light": WORKER + ("benchmarks/suites.py", "benchmarks/report.py"),
+    "pipeline/digits": TRAINER + ("configs/digits-vit.yaml",),
     "race": WORKER + TRAINER + PLANNER + ("benchmarks/race.py", "benchmarks/suites.py", "benchmarks/report.py"),
     "scaling": TRAINER + PLANNER + ("benchmarks/scaling.py", "configs/digits-vit.yaml"),
     "sequence": WORKER + PLANNER + ("benchmarks/sequence_bench.py",),
