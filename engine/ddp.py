@@ -18,9 +18,8 @@ import torch
 from config import Config
 from engine.base import Built, Capabilities, Sizes
 from engine.ds_config import resolve_precision
-from engine.parallelize import apply_ac
+from engine.parallelize import apply_ac, cut_stage
 from engine.torch_engine import TorchEngine, adamw_config
-from loop.optim import layer_ids
 from models.blocks import find_blocks
 from parallel import pipeline
 
@@ -64,14 +63,7 @@ class DDPEngine(TorchEngine):
 
         precision = resolve_precision(cfg.precision)
         config = cls.engine_config(cfg, 0, world_size, precision)
-        mesh, layers, stage = None, None, 0
-        if cfg.pp_size > 1:  # this rank's stage (parallel/pipeline.py), replicated over the ranks that hold it
-            mesh = pipeline.mesh(device_type, cfg.pp_size)
-            stage = mesh.get_local_rank("pp")
-            layers = layer_ids(model) if cfg.layer_decay < 1 else None  # the whole model's, before the cut
-            blocks = len(find_blocks(model))
-            pipeline.split(model, stage, cfg.pp_size)
-            log(pipeline.describe(cfg, blocks))
+        mesh, stage, layers = cut_stage(model, cfg, device_type, log)  # a pipeline's stage, if pp_size > 1
         fixed = cls.memory(cfg, cls.sizes(model), world_size, precision, config, device_type == "cuda")[1]
         ac_plan = apply_ac(model, cfg, fixed, precision, device_type, log, stage)
         device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")

@@ -19,9 +19,8 @@ from config import Config
 from engine.base import Built, Capabilities, Sizes
 from engine.ds_config import DTYPES, resolve_precision
 from engine.memory import fsdp2_comm_bytes, fsdp2_memory_bytes, fsdp2_memory_parts
-from engine.parallelize import apply_ac
+from engine.parallelize import apply_ac, cut_stage
 from engine.torch_engine import TorchEngine, adamw_config
-from loop.optim import layer_ids
 from models.blocks import find_blocks
 from parallel import pipeline
 
@@ -102,14 +101,7 @@ class FSDP2Engine(TorchEngine):
         precision = resolve_precision(cfg.precision)
         config = cls.engine_config(cfg, 0, world_size, precision)
         device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
-        mesh, layers, stage = None, None, 0
-        if cfg.pp_size > 1:
-            mesh = pipeline.mesh(device.type, cfg.pp_size)
-            stage = mesh.get_local_rank("pp")
-            layers = layer_ids(model) if cfg.layer_decay < 1 else None  # the whole model's, before the cut
-            blocks = len(find_blocks(model))
-            pipeline.split(model, stage, cfg.pp_size)
-            log(pipeline.describe(cfg, blocks))
+        mesh, stage, layers = cut_stage(model, cfg, device.type, log)  # a pipeline's stage, if pp_size > 1
         data_ranks = world_size // cfg.pp_size
         fixed = fsdp2_memory_bytes(*memory_args(cfg, cls.sizes(model), data_ranks, precision, device_type == "cuda"))
         ac_plan = apply_ac(model, cfg, fixed, precision, device_type, log, stage)

@@ -7,6 +7,7 @@ from ac.policies import apply_activation_checkpointing
 from ac.profile import profile_model
 from config import Config
 from engine.ds_config import DTYPES
+from loop.optim import layer_ids
 from models.blocks import find_blocks
 from parallel import pipeline
 
@@ -24,3 +25,18 @@ def apply_ac(model, cfg: Config, fixed: dict, precision: str, device_type: str, 
         measured = pipeline.stage_profile(measured, [b.name for b in find_blocks(model)], cfg, stage)
     return apply_activation_checkpointing(model, cfg.ac, device_type, fixed=fixed, log=log, profile=measured,
                                           compiled=cfg.compile)
+
+
+def cut_stage(model, cfg: Config, device_type: str, log) -> tuple:
+    """With `pp_size` > 1: keep this rank's pipeline stage of `model` in place (parallel/pipeline.py) and say how
+    the blocks are cut; (the (dp, pp) mesh, this rank's stage, the whole model's layer ids for layer-wise lr decay
+    or None). Without a pipeline: (None, 0, None)."""
+    if cfg.pp_size == 1:
+        return None, 0, None
+    mesh = pipeline.mesh(device_type, cfg.pp_size)
+    stage = mesh.get_local_rank("pp")
+    layers = layer_ids(model) if cfg.layer_decay < 1 else None  # numbered before the cut
+    blocks = len(find_blocks(model))
+    pipeline.split(model, stage, cfg.pp_size)
+    log(pipeline.describe(cfg, blocks))
+    return mesh, stage, layers
