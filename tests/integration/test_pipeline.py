@@ -2,7 +2,7 @@
 stage train as one rank does, resume on any number of stages, and export a model that runs whole."""
 import pytest
 import torch
-from conftest import check_input, launch, read_metrics
+from conftest import check_input, launch, read_metrics, run_entry
 
 
 def steps(run_dir) -> dict:
@@ -19,8 +19,9 @@ def assert_close_steps(got: dict, expected: dict, first: int, last: int):
 def test_two_stages_train_resume_whole_and_export_as_one_rank_does(debug_args, tmp_path):
     """8 steps of vit-debug on one rank, and on two ranks with pp_size 2 (one data rank: the same global batch of
     16, cut into 4 pieces under 1F1B): the same losses and gradient norms within fp32 reduction order (1e-5
-    relative), the same val top-1, exported models with the same logits; the pipeline's checkpoint at step 4
-    resumed on one rank without stages goes on as the one-rank run."""
+    relative), the same val top-1, exported models with the same logits (export.py of the two-stage checkpoint
+    gives its run's export's logits exactly); the pipeline's checkpoint at step 4 resumed on one rank without
+    stages goes on as the one-rank run."""
     args = debug_args + ["--model", "vit-debug", "--engine", "fsdp2", "--max_steps", "8", "--eval_every", "8",
                          "--save_every", "4"]
     one = tmp_path / "one"
@@ -42,6 +43,13 @@ def test_two_stages_train_resume_whole_and_export_as_one_rank_does(debug_args, t
         logits = [AutoModelForImageClassification.from_pretrained(d / "hf_model").eval()(pixel_values=images).logits
                   for d in (one, pp)]
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-5)
+    # export.py, in one process, reads the two stages' checkpoint as one model: the run's own export's logits
+    out = tmp_path / "exported"
+    proc = run_entry("export", pp / "checkpoints" / "step0000008", out)
+    assert proc.returncode == 0, proc.stderr
+    with torch.no_grad():
+        exported = AutoModelForImageClassification.from_pretrained(out).eval()(pixel_values=images).logits
+    assert torch.equal(exported, logits[1])
 
     whole = tmp_path / "whole"
     proc = launch(args + ["--output_dir", whole, "--resume", pp / "checkpoints" / "step0000004"], nproc=1)
