@@ -35,8 +35,8 @@ def dcp_failures(path: str):
 def state(module: torch.nn.Module, optimizer, flat: bool = True) -> dict:
     """The model's and the optimizer's state as DCP reads and writes it (sharded DTensors under FSDP2). `flat`:
     the optimizer's by parameter name (`state.<name>.exp_avg`, `param_groups.<name>.lr`), so that ranks holding
-    different parameters (pipeline stages) never write the same key; False: its groups by position, the layout of
-    checkpoints written before 2026-12-07, which still load."""
+    different parameters (pipeline stages) never write the same key; False: its groups by position, a layout
+    `load` still reads."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     model, optim = get_state_dict(module, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=flat))
@@ -71,7 +71,7 @@ def load(module, optimizer, path: str) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    flat = not any(k.startswith("optim.param_groups.0.") for k in stored)  # else groups by position (older)
+    flat = not any(k.startswith("optim.param_groups.0.") for k in stored)  # else groups by position
     loaded = state(module, optimizer, flat)
     # a parameter without gradients when the checkpoint was written (one the forward does not use: UperNet's
     # backbone's last norm) had no AdamW state; it has none to load now either

@@ -232,16 +232,16 @@ def pipeline_estimate(cfg: Config, ds_config: dict, precision: str, world_size: 
     pp_s = pp_bytes / ((device.intra_gbs if within else device.inter_gbs) * 1e9)
     rest = max(e["step_s"] - e["micro_s"] * accum for e in per_stage)  # optimizer, collectives, offload
     step_s = rest + stretched * accum + pp_s
-    first = max(per_stage, key=lambda e: e["peak_bytes"])
+    highest = max(per_stage, key=lambda e: e["peak_bytes"])  # the stage that sets the peak
     images = cfg.micro_batch_size * accum * world_size // (cfg.tp_size * cfg.sp_size * stages)
-    return {**first, "params": n_params, "world_size": world_size, "ranks_per_node": ranks_per_node,
+    return {**highest, "params": n_params, "world_size": world_size, "ranks_per_node": ranks_per_node,
             "pp_size": stages,
             "pp_schedule": cfg.pp_schedule, "pp_microbatches": pieces,
             "bubble": pipeline.bubble(stages, pieces), "global_batch": images,
             "stages": [{"blocks": f"{r.start}-{r.stop - 1}", "peak_bytes": e["peak_bytes"], "micro_s": e["micro_s"],
                         "plan": e["plan"], "held": pipeline.in_flight(cfg.pp_schedule, s, stages, pieces)}
                        for s, (r, e) in enumerate(zip(cuts, per_stage))],
-            "peak_bytes": first["peak_bytes"], "fits": all(e["fits"] for e in per_stage),
+            "peak_bytes": highest["peak_bytes"], "fits": all(e["fits"] for e in per_stage),
             "plan": {h: sum(e["plan"].get(h, 0) for e in per_stage) for h in {h for e in per_stage for h in e["plan"]}},
             "pp_comm_bytes_per_step_per_rank": pp_bytes, "pp_comm_s": pp_s,
             "compute_s": stretched * accum + max(e["optimizer_s"] for e in per_stage),

@@ -60,8 +60,8 @@ def search(cfg: Config, ds_config_for, precision: str, world_size: int, ranks_pe
         layouts.append((1, split, 1))
     for stages in pp or []:  # each pipeline size, alone
         model = model_config(cfg.model, cfg.num_labels, cfg.image_size, cfg.patch_size)
-        if why := pipeline.check(model, replace(cfg, pp_size=stages, tp_size=1, sp_size=1, engine="fsdp2",
-                                                replicate_degree=1, ema_decay=0.0), world_size):
+        if why := pipeline.check(model, replace(cfg, pp_size=stages, tp_size=1, sp_size=1, replicate_degree=1,
+                                                ema_decay=0.0), world_size):
             raise ConfigError(f"--pp_sizes: {why}")
         layouts.append((1, 1, stages))
     layouts, profiles = list(dict.fromkeys(layouts)), {}
