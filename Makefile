@@ -13,7 +13,7 @@ ACCEL = $(shell $(PY) -c "import torch; print('' if torch.cuda.is_available() el
 # set-up, not by the first job or test that needs them; two checkouts never share (and rebuild) each other's
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-.PHONY: train test test-slow data clean wheels device-rehearsal
+.PHONY: train test test-slow install data clean wheels device-rehearsal
 train: $(VENV)/.installed data
 	OMP_NUM_THREADS=$(THREADS) $(if $(ACCEL),DS_ACCELERATOR=$(ACCEL)) $(VENV)/bin/deepspeed --log_level error --num_gpus $(NPROC) \
 		train.py --config configs/digits-vit.yaml --resume latest
@@ -24,6 +24,9 @@ test: $(VENV)/.installed data
 # the variants `make test` leaves out (~25 min on 2 cores); its last run: benchmarks/results/slow-tests/report.md
 test-slow: $(VENV)/.installed data
 	$(PY) -m pytest -q -m slow tests
+
+# the environment alone (.venv and the pinned install): what a cluster's node runs first (launch/cluster.py)
+install: $(VENV)/.installed
 
 data: data/digits/_info.json data/digits-seg/_info.json
 

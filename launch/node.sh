@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# One node's launch under Slurm (the sbatch scripts beside this run it on every node through srun):
+# One node's launch on a cluster: the sbatch scripts beside this run it on every node through srun, SkyPilot tasks
+# and Kubeflow TrainJobs written by launch/cluster.py as their run command:
 #   bash launch/node.sh {deepspeed|torchrun|accelerate} [train.py arguments...]
-# Master address, port, node rank and processes per node come from Slurm's variables (launch/slurm_env.py).
+# Master address, port, node rank and processes per node come from the variables Slurm, SkyPilot or Kubeflow
+# Trainer set on each node (launch/cluster_env.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 BIN=$(dirname "$PY")
 launcher=${1:?usage: node.sh deepspeed|torchrun|accelerate [train.py args]}
 shift
-settings=$($PY launch/slurm_env.py)  # a failure stops here (set -e), with its one error line
+settings=$($PY launch/cluster_env.py)  # a failure stops here (set -e), with its one error line
 eval "$settings"
 echo "node $NODE_RANK of $NNODES: $launcher, $PROCS_PER_NODE processes, master $MASTER_ADDR:$MASTER_PORT" >&2
 case "$launcher" in

@@ -200,6 +200,24 @@ def launch(args, nproc=2, launcher="fork", timeout=300, check=True, warnings=Fal
     return proc
 
 
+def run_nodes(commands, envs=None, timeout=300):
+    """Start every node's launcher at once, as a cluster would, and wait for all; each must succeed. Returns each
+    node's output. `envs`: variables per node on top of this process's."""
+    base = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1")
+    base.pop("RANK", None)
+    procs = [subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=dict(base, **(extra or {})),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for cmd, extra in zip(commands, envs or [None] * len(commands))]
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-4000:]
+    return outs
+
+
 def fork_start(start):
     """benchmarks/fault_injection.start, with a `fork` launcher: a 2-rank ForkedJob writing to the episode's log."""
     def started(launcher, args, log_path, env_extra=None):

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, fork_launch, free_port, launch, read_metrics
+from conftest import REPO, fork_launch, free_port, launch, read_metrics, run_nodes
 
-from launch import slurm_env
+from launch import cluster_env
 from launch.job import command
 
 STEPS = 12
@@ -29,24 +29,6 @@ def one_node(node_args, tmp_path_factory):
     out = tmp_path_factory.mktemp("one-node")
     launch(node_args + ["--output_dir", out])
     return [r["loss"] for r in read_metrics(out)]
-
-
-def run_nodes(commands, envs=None, timeout=300):
-    """Start every node's launcher at once, as a cluster would, and wait for all; each must succeed. Returns each
-    node's output. `envs`: variables per node on top of this process's."""
-    base = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1")
-    base.pop("RANK", None)
-    procs = [subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=dict(base, **(extra or {})),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for cmd, extra in zip(commands, envs or [None] * len(commands))]
-    try:
-        outs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out[-4000:]
-    return outs
 
 
 def torchrun_node(node_rank, port, args, ranks=1):
@@ -75,7 +57,7 @@ def test_two_torchrun_nodes_train_and_resume_as_one_node(node_args, one_node, tm
 
 
 def test_slurm_hostlist_expansion():
-    from launch.slurm_env import expand_hostlist
+    from launch.cluster_env import expand_hostlist
 
     assert expand_hostlist("gpu[01-03,07],login1") == ["gpu01", "gpu02", "gpu03", "gpu07", "login1"]
     assert expand_hostlist("127.0.0.[1-2]") == ["127.0.0.1", "127.0.0.2"]
@@ -84,18 +66,19 @@ def test_slurm_hostlist_expansion():
 
 # accelerate's launcher trains in the default suite: tests/integration/test_launchers.py::test_accelerate_launch_two_ranks
 # and its DeepSpeed plugin's case
-# the torchrun node script in the default suite; deepspeed's and accelerate's under -m slow (~18 s each)
-@pytest.mark.parametrize("launcher", [pytest.param("deepspeed", marks=pytest.mark.slow), "torchrun",
-                                      pytest.param("accelerate", marks=pytest.mark.slow)])
+# under -m slow (~18 s each): the default suite runs the node script under torchrun with Slurm's, SkyPilot's and
+# Kubeflow's variables (tests/integration/test_clusters.py)
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun", "accelerate"])
 def test_slurm_node_script_on_two_nodes(launcher, node_args, one_node, tmp_path):
     """launch/node.sh, as each sbatch script runs it through srun on every node, with the variables Slurm sets
     for a 2-node job: the ranks find each other from them and train as the single node does (6 steps: warm-up
     outlasts them, so the shorter run changes no LR). The deepspeed variant is DeepSpeed's own launcher per node,
     `--no_ssh --node_rank N` over a hostfile of the job's hosts."""
     port = free_port()
-    while port >= slurm_env.PORT_BASE + slurm_env.PORT_SPAN:
+    while port >= cluster_env.PORT_BASE + cluster_env.PORT_SPAN:
         port = free_port()
-    slurm = {"SLURM_JOB_NODELIST": "127.0.0.[1-2]", "SLURM_NNODES": "2", "SLURM_JOB_ID": str(port - slurm_env.PORT_BASE)}
+    slurm = {"SLURM_JOB_NODELIST": "127.0.0.[1-2]", "SLURM_NNODES": "2", "SLURM_JOB_ID": str(port - cluster_env.PORT_BASE)}
     out = tmp_path / "run"
     outs = run_nodes([["bash", "launch/node.sh", launcher, *node_args, "--max_steps", 6, "--output_dir", out]
                       for _ in (0, 1)], envs=[dict(slurm, SLURM_NODEID=str(r)) for r in (0, 1)])
@@ -115,10 +98,10 @@ def test_fsdp2_on_two_slurm_nodes_trains_and_resumes_as_one_node(node_args, tmp_
     out = tmp_path / "run"
     for extra in (["--max_steps", 6], ["--resume", "latest"]):
         port = free_port()
-        while port >= slurm_env.PORT_BASE + slurm_env.PORT_SPAN:
+        while port >= cluster_env.PORT_BASE + cluster_env.PORT_SPAN:
             port = free_port()
         slurm = {"SLURM_JOB_NODELIST": "127.0.0.[1-2]", "SLURM_NNODES": "2",
-                 "SLURM_JOB_ID": str(port - slurm_env.PORT_BASE)}
+                 "SLURM_JOB_ID": str(port - cluster_env.PORT_BASE)}
         outs = run_nodes([["bash", "launch/node.sh", "torchrun", *args, *extra, "--output_dir", out] for _ in (0, 1)],
                          envs=[dict(slurm, SLURM_NODEID=str(r)) for r in (0, 1)])
         assert "FSDP2 (resharded after forward)" in outs[0] and "(2 node(s) x 1" in outs[0]
@@ -126,11 +109,14 @@ def test_fsdp2_on_two_slurm_nodes_trains_and_resumes_as_one_node(node_args, tmp_
     np.testing.assert_array_equal([r["loss"] for r in read_metrics(out)], expected)
 
 
-def test_slurm_env_outside_a_job_is_one_error():
+def test_node_script_outside_a_cluster_is_one_error():
+    """launch/node.sh where no Slurm, SkyPilot or Kubeflow variables are set: one line naming them, a failure."""
     proc = subprocess.run(["bash", "launch/node.sh", "torchrun"], cwd=REPO, capture_output=True, text=True,
-                          env={k: v for k, v in os.environ.items() if not k.startswith("SLURM_")})
+                          env={k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SKYPILOT_", "PET_"))})
     assert proc.returncode != 0
-    assert proc.stderr.strip().splitlines()[-1].startswith("error: not inside a Slurm job step: SLURM_JOB_NODELIST")
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: not inside a Slurm job step, a SkyPilot task or a Kubeflow TrainJob: none of SLURM_JOB_ID, "
+        "SKYPILOT_NODE_RANK, PET_NNODES is set (launch/node.sh runs on a cluster's node)")
 
 
 @pytest.mark.slow  # two 2-rank loopback nodes, most of a minute

@@ -29,7 +29,7 @@ LAYERS = (
     ("launch",),  # one launcher of train.py
 )
 LIBRARY = tuple(room for layer in LAYERS for room in layer)
-SCRIPTS = {"data.make_shards", "launch.slurm_env"}  # command-line scripts that live beside library code
+SCRIPTS = {"data.make_shards", "launch.cluster_env", "launch.cluster", "launch.schemas.refresh"}  # command-line scripts that live beside library code
 ENTRY = {"train", "plan", "export", "sweep"}
 
 
