@@ -34,7 +34,7 @@ class Config:
     freeze: str = ""  # parameters not trained: "backbone" (all but the classifier: a linear probe) or comma-separated name patterns (fnmatch)
     layer_decay: float = 1.0  # layer-wise lr decay: of L blocks, block i trains at lr x layer_decay^(L+1-i), the head at lr (BEiT/MAE: 0.65-0.75)
     # data
-    train_shards: str = "data/digits/train-{000000..000003}.tar"  # the training shards: a directory written by data/make_shards.py (every train shard its _info.json lists), or a WebDataset spec (brace pattern, glob, http(s)://, pipe:; " + " joins sources)
+    train_shards: str = "data/digits/train-{000000..000003}.tar"  # the training shards: a directory written by data/make_shards.py (every train shard its _info.json lists), or a WebDataset spec (brace pattern, glob, http(s)://, s3:// and other object storage, pipe:; " + " joins sources)
     val_shards: str = "data/digits/val-000000.tar"  # the evaluation shards, as train_shards (a directory: its val split)
     strict_data: bool = False  # a shard spec that covers fewer shards than its _info.json lists for the split is an error, not a warning
     data_mode: str = "epoch"  # epoch: each sample once per epoch | resampled: shards drawn with replacement (many nodes) | synthetic: random images, no shards read (measuring the step; data/synthetic.py)
@@ -92,6 +92,7 @@ class Config:
     async_save: bool = False  # fsdp2: checkpoints copied to host memory, then written by a background thread while training goes on (DCP's async_save; committed when the next save starts); the last one and a preemption's are written before going on
     min_free_gb: float = 0.0  # skip a checkpoint (with a warning, training goes on) that would leave less free disk than this
     preempt_grace: float = 25.0  # seconds from SIGTERM/SIGUSR1 to exit: the step finishes and a checkpoint is written (launchers kill at 30)
+    sync_to: str = ""  # object storage mirroring output_dir (s3://bucket/prefix, any fsspec URL): each complete checkpoint uploaded in the background, `latest` last; --resume latest downloads the newest when output_dir has nothing as new (docs/clusters.md)
     resume: str = ""  # "" = fresh run, "latest" = newest checkpoint in output_dir, or a checkpoint directory
     progress: bool = True  # tqdm progress bar on rank 0
     # experiment tracking (runlog/tracking.py; docs/tracking.md)

@@ -33,6 +33,7 @@ import compat
 from ac.policies import check_policy
 from checkpoints.hf_export import export_hf_model
 from checkpoints.manager import Resume, check_same_model, describe_load_error, find_resume, remove_interrupted, save
+from checkpoints.sync import Mirror, restore
 from config import Config, ConfigError, help_text, parse
 from data.loader import (ShardStream, TrainLoader, check_labels, check_masks, check_streams, eval_batches,
                          merge_states, resume_state)
@@ -92,6 +93,7 @@ class Checked:
     engine_config: dict  # the engine's config as the run config gives it (before the model is profiled)
     resume: Resume | None  # the checkpoint to continue from
     param_shapes: dict  # {name: shape} of the model as defined: train_state.json records them
+    mirror: Mirror | None = None  # sync_to: where rank 0 uploads checkpoints and the export
 
 
 def check_run(cfg: Config, world_size: int, rank: int) -> Checked:
@@ -151,6 +153,11 @@ def check_run(cfg: Config, world_size: int, rank: int) -> Checked:
     if not cfg.resume and os.path.exists(os.path.join(ckpt_dir, "latest")):
         raise ConfigError(f"output_dir '{cfg.output_dir}' already holds a run: continue it with --resume latest "
                           f"or choose another output_dir")
+    mirror = Mirror(cfg.sync_to) if cfg.sync_to else None
+    if mirror and rank == 0:  # a bucket that is not there or an endpoint that does not answer: here, not later
+        mirror.check()
+    if mirror and cfg.resume == "latest":  # a new node: the mirror's newest checkpoint, when output_dir has none as new
+        restore(mirror, ckpt_dir, rank, log=print if rank == 0 else lambda *_: None)
     resume = find_resume(cfg, world_size)  # a missing file, a changed ZeRO stage or another model fails here
     if resume:
         check_same_model(resume.state, resume.path, shapes)
@@ -169,7 +176,7 @@ def check_run(cfg: Config, world_size: int, rank: int) -> Checked:
             if not existed and os.path.isdir(cfg.output_dir):
                 shutil.rmtree(cfg.output_dir, ignore_errors=True)
             raise ConfigError(f"output_dir '{cfg.output_dir}' is not writable: {e.strerror}") from None
-    return Checked(train_sources, val_sources, names, config, resume, shapes)
+    return Checked(train_sources, val_sources, names, config, resume, shapes, mirror)
 
 
 
@@ -503,6 +510,8 @@ def train(run: Run, model: Model, start: Start, data: Data, log: RunLog) -> Trai
                 print(f"preempted ({name}) after step {step}: " + (
                     f"checkpoint step{step:07d} written; continue with --resume latest" if saved else
                     "no checkpoint written (see above); --resume latest continues from the newest"), flush=True)
+                if run.checked.mirror:  # within preempt_grace, or the mirror keeps its previous checkpoint
+                    run.checked.mirror.wait()
             exit_distributed(EXIT_PREEMPTED)
         # the next read: after the second step, then at the next multiple of log_every, sooner when a quarter of
         # the preemption grace holds fewer steps (step_seconds is the same on every rank)
@@ -580,7 +589,7 @@ def save_checkpoint(run: Run, model: Model, data: Data, ema: EMA | None, step: i
     estimate = model.n_params * (model.dtype.itemsize + 12)
     return save(model.engine, run.ckpt_dir, step, state, keep_last=cfg.keep_last, keep_best=cfg.keep_best,
                 min_free_gb=cfg.min_free_gb, estimate_bytes=estimate, log=log.write, also=ema.save if ema else None,
-                wait=wait)
+                wait=wait, mirror=run.checked.mirror)
 
 
 # ---------------------------------------------------------------------------------------------------- export
@@ -613,6 +622,8 @@ def finish(run: Run, model: Model, start: Start, trained: Trained, log: RunLog):
     log.summary(summary, f"done: val {result.describe()} | {throughput} images/s | "
                          f"{cfg.max_steps - start.step} steps in {minutes}m{secs:02d}s | "
                          f"{'EMA model' if cfg.export_ema else 'model'} saved to {hf_dir}")
+    if run.checked.mirror and run.rank == 0:  # the last checkpoint's upload, then the export and the records
+        run.checked.mirror.upload_export(cfg.output_dir)
     exit_distributed(0)  # everything is written and closed: skips a gloo abort at interpreter exit (see there)
 
 

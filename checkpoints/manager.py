@@ -219,7 +219,7 @@ def space_verdict(ckpt_dir: str, estimate_bytes: int, min_free_gb: float) -> str
 
 
 def save(engine, ckpt_dir: str, step: int, state: dict, *, keep_last: int, keep_best: bool, min_free_gb: float,
-         estimate_bytes: int, log=print, also=None, wait: bool = True) -> bool:
+         estimate_bytes: int, log=print, also=None, wait: bool = True, mirror=None) -> bool:
     """Write checkpoint `step<step>` atomically (see the module's docstring) on every rank; False, with a line
     saying why, when the disk cannot hold it (checked before writing) or a rank's write fails: training goes on.
     `state`: train_state.json's contents. `also(directory)`: what each rank adds to the checkpoint (the EMA).
@@ -227,7 +227,8 @@ def save(engine, ckpt_dir: str, step: int, state: dict, *, keep_last: int, keep_
     An engine that writes in the background (FSDP2 with `async_save`) and `wait` False: the weights are copied
     to host memory and written by a thread while training goes on; the checkpoint is committed (the same
     checks, train_state.json, the rename, `latest`, pruning) by `commit_pending`, which the next save calls
-    first, so at most one write is in flight. True then means started."""
+    first, so at most one write is in flight. True then means started. `mirror` (checkpoints/sync.py): where
+    rank 0 uploads the checkpoint once it is committed."""
     import torch.distributed as dist
 
     commit_pending(engine, log)
@@ -260,7 +261,7 @@ def save(engine, ckpt_dir: str, step: int, state: dict, *, keep_last: int, keep_
             also(partial)
         except OSError as e:
             failure = write_failure(e, ckpt_dir)
-    done = (ckpt_dir, tag, state, keep_last, keep_best, type(engine).checkpoint_format)
+    done = (ckpt_dir, tag, state, keep_last, keep_best, type(engine).checkpoint_format, mirror)
     if background:
         engine.pending = (*done, failure)
         return True
@@ -283,10 +284,10 @@ def commit_pending(engine, log=print) -> bool | None:
     return commit(*done, failure, log)
 
 
-def commit(ckpt_dir: str, tag: str, state: dict, keep_last: int, keep_best: bool, fmt: CheckpointFormat, failure: str,
-           log=print) -> bool:
-    """Every rank's outcome gathered; when all wrote their files, rank 0 commits the checkpoint (finish) and prunes
-    the old ones, else the partial files are removed and training goes on."""
+def commit(ckpt_dir: str, tag: str, state: dict, keep_last: int, keep_best: bool, fmt: CheckpointFormat, mirror,
+           failure: str, log=print) -> bool:
+    """Every rank's outcome gathered; when all wrote their files, rank 0 commits the checkpoint (finish), prunes
+    the old ones and starts its upload to `mirror`, else the partial files are removed and training goes on."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -309,6 +310,8 @@ def commit(ckpt_dir: str, tag: str, state: dict, keep_last: int, keep_best: bool
         return False
     if rank == 0:
         prune(ckpt_dir, keep_last, keep_best, log, fmt)
+        if mirror is not None:
+            mirror.start(ckpt_dir, tag, [t for _, t in complete_checkpoints(ckpt_dir)], log)
     dist.barrier()
     return True
 

@@ -2,11 +2,17 @@
 
 A spec is one or more sources joined by " + ", each a directory written by data/make_shards.py (every shard its
 _info.json lists for the key's split: train for train_shards, val for val_shards), a WebDataset brace pattern, a
-glob, an http(s) URL or a `pipe:` command, with an optional "@weight" suffix (weights are for `resampled` mode):
+glob, an http(s) URL, an object-storage URL (`s3://`, `gs://`, ...: any protocol fsspec has an implementation of;
+a prefix holding _info.json is a directory) or a `pipe:` command, with an optional "@weight" suffix (weights are
+for `resampled` mode):
 
     data/in1k
     data/in1k/train-{000000..001281}.tar
+    s3://bucket/in1k    s3://bucket/in1k/train-{000000..001281}.tar
     http://host/laion-{000000..009999}.tar@0.7 + pipe:aws s3 cp s3://b/cc12m-{0000..2175}.tar -@0.3
+
+Object storage is read through fsspec (s3fs for s3://), each shard streamed as it is read; credentials, region
+and endpoint come from the store's own SDK settings (for S3: AWS_ACCESS_KEY_ID, AWS_PROFILE, AWS_ENDPOINT_URL, ...).
 
 A spec whose shards are fewer than its _info.json lists for their split reads part of the data: `coverage`
 says so with the counts (train.py warns, or stops with `strict_data`).
@@ -44,8 +50,41 @@ class Source:
     split_samples: int = 0  # and its samples
 
 
+OBJECT_URL = re.compile(r"^([a-z][a-z0-9+.-]*)://")
+# S3's connection settings unless fsspec's own configuration sets them (FSSPEC_S3_CONFIG_KWARGS, ~/.config/fsspec):
+# an endpoint that does not answer is a DataError in seconds, not after botocore's minute per attempt
+S3_CONFIG = {"connect_timeout": 10, "read_timeout": 120, "retries": {"max_attempts": 3, "mode": "standard"}}
+
+
+def object_protocol(url: str) -> str:
+    """The fsspec protocol of an object-storage URL (s3, gs, az, ...), '' for a local path, http(s) or `pipe:`."""
+    m = OBJECT_URL.match(url)
+    return m.group(1) if m and m.group(1) not in ("http", "https", "file") else ""
+
+
+def object_fs(url: str):
+    """(fsspec filesystem, path within it) of an object-storage URL; DataError when fsspec cannot serve it."""
+    import fsspec
+    from fsspec.config import conf
+
+    protocol = object_protocol(url)
+    options = {"config_kwargs": S3_CONFIG} if protocol in ("s3", "s3a") and \
+        "config_kwargs" not in conf.get(protocol, {}) else {}
+    try:
+        return fsspec.core.url_to_fs(url, **options)
+    except (ImportError, ValueError) as e:
+        raise DataError(f"{url}: no filesystem for {protocol}:// ({e})") from None
+
+
+def describe_object_error(e: BaseException) -> str:
+    """One line for an object store's failure: its kind and first line (botocore's connection and credential
+    errors are not OSErrors)."""
+    text = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
 def is_remote(url: str) -> bool:
-    return url.startswith(("http://", "https://", "pipe:"))
+    return url.startswith(("http://", "https://", "pipe:")) or bool(object_protocol(url))
 
 
 def info_path_of(first_url: str) -> str:
@@ -62,10 +101,17 @@ def _fetch_info(first_url: str):
         if first_url.startswith(("http://", "https://")):
             with urllib.request.urlopen(path, timeout=30) as r:
                 text = r.read()
+        elif object_protocol(first_url):
+            fs, key = object_fs(path)
+            text = fs.cat_file(key)
         else:
             with open(path, "rb") as f:
                 text = f.read()
+    except FileNotFoundError:
+        return None
     except (OSError, urllib.error.URLError):
+        if object_protocol(first_url):  # a store that does not answer is not a missing _info.json (parse_spec)
+            raise
         return None
     try:
         info = json.loads(text)
@@ -100,9 +146,34 @@ def _check_urls(urls: list, spec: str, what: str):
         failed = [f for f in pool.map(probe, http) if f]
     if failed:
         raise DataError(f"{what} '{spec}': cannot open {len(failed)} of {len(http)} URLs, e.g. {failed[0]}")
+    objects = [u for u in urls if object_protocol(u)]
+    if objects:
+        _check_objects(objects, spec, what)
     pipes = [u for u in urls if u.startswith("pipe:")]
     if pipes and (why := _probe_pipe(pipes[0])):  # the first shard's command: one run, not one per shard
         raise DataError(f"{what} '{spec}': {why}")
+
+
+def _check_objects(urls: list, spec: str, what: str):
+    """Every object exists and is not empty: one listing per prefix, not a request per shard."""
+    sizes = {}
+    for prefix in dict.fromkeys(u.rsplit("/", 1)[0] for u in urls):
+        fs, path = object_fs(prefix)
+        try:
+            listing = fs.ls(path, detail=True)
+        except FileNotFoundError as e:
+            raise DataError(f"{what} '{spec}': {prefix} does not exist ({describe_object_error(e)})") from None
+        except Exception as e:  # noqa: BLE001 (an unreachable endpoint, missing credentials: the SDK's own errors)
+            raise DataError(f"{what} '{spec}': cannot list {prefix}: {describe_object_error(e)}") from None
+        protocol = object_protocol(prefix)
+        sizes.update({f"{protocol}://{entry['name']}": entry.get("size") for entry in listing})
+    missing = [u for u in urls if u not in sizes]
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise DataError(f"{what} '{spec}': {len(missing)} of {len(urls)} shards not found ({shown})")
+    empty = [u for u in urls if sizes[u] == 0]
+    if empty:
+        raise DataError(f"{what} '{spec}': empty shard object {empty[0]}")
 
 
 def split_of(what: str) -> str:
@@ -130,6 +201,16 @@ def _expand(pattern: str, what: str) -> list[str]:
     """A source's shard URLs: a directory's split, a glob's matches (sorted) or a brace pattern's expansion."""
     if os.path.isdir(pattern) or (pattern.startswith(("http://", "https://")) and pattern.endswith("/")):
         return _directory_urls(pattern, what)
+    if object_protocol(pattern) and "{" not in pattern:
+        fs, path = object_fs(pattern)
+        if any(c in pattern for c in "*?["):  # a glob over the store's listing, sorted
+            return sorted(f"{object_protocol(pattern)}://{p}" for p in fs.glob(path))
+        if not pattern.endswith(".tar"):  # a prefix: its _info.json's split
+            try:
+                fs.ls(path)
+            except FileNotFoundError as e:
+                raise DataError(f"{what} '{pattern}': nothing there ({describe_object_error(e)})") from None
+            return _directory_urls(pattern, what)
     if not is_remote(pattern) and any(c in pattern for c in "*?[") and "{" not in pattern:
         return sorted(glob.glob(pattern))
     return expand_urls(pattern)
@@ -145,11 +226,18 @@ def parse_spec(spec: str, what: str) -> list[Source]:
         part = part.strip()
         match = re.fullmatch(r"(.*)@(\d+(?:\.\d*)?)", part)
         pattern, weight = (match.group(1), float(match.group(2))) if match else (part, 1.0)
-        urls = _expand(pattern, what)
-        if not urls:
-            raise DataError(f"{what} '{pattern}' expands to no shards")
-        _check_urls(urls, pattern, what)
-        info = _fetch_info(urls[0]) or {}
+        try:
+            urls = _expand(pattern, what)
+            if not urls:
+                raise DataError(f"{what} '{pattern}' expands to no shards")
+            _check_urls(urls, pattern, what)
+            info = _fetch_info(urls[0]) or {}
+        except DataError:
+            raise
+        except Exception as e:  # noqa: BLE001 (an object store's SDK errors: no endpoint, no credentials, no bucket)
+            if not object_protocol(pattern):
+                raise
+            raise DataError(f"{what} '{pattern}': {describe_object_error(e)}") from None
         lengths, split, files, samples = {}, "", (), 0
         names = {os.path.basename(u) for u in urls}
         for name, s in info.get("splits", {}).items():
@@ -217,6 +305,7 @@ class _PipeStream:
                 f"command '{self.command}' was killed by signal {-rc}") + (f" ({last[-1][:200]})" if last else "")
 
 
+OBJECT_BLOCK_BYTES = 8 * 2**20  # an object-storage shard is read in ranged requests of this size
 PIPE_PROBE_BYTES = 512  # a tar header: the first member of a shard the command really streams
 
 
@@ -234,9 +323,18 @@ def _probe_pipe(url: str) -> str:
 
 
 def open_shard(url: str):
-    """A readable byte stream for a local path, an http(s) URL or a `pipe:` command."""
+    """A readable byte stream for a local path, an http(s) URL, an object-storage URL (read ahead as it streams,
+    never downloaded whole first) or a `pipe:` command."""
     if url.startswith(("http://", "https://")):
         return urllib.request.urlopen(url, timeout=60)
+    if object_protocol(url):
+        fs, path = object_fs(url)
+        try:
+            return fs.open(path, "rb", block_size=OBJECT_BLOCK_BYTES, cache_type="readahead")
+        except OSError:
+            raise
+        except Exception as e:  # noqa: BLE001 (the SDK's connection and credential errors)
+            raise OSError(describe_object_error(e)) from None
     if url.startswith("pipe:"):
         return _PipeStream(url[5:])
     return open(url, "rb")
