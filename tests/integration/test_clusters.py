@@ -8,7 +8,7 @@ import zlib
 import numpy as np
 import pytest
 import yaml
-from conftest import REPO, free_port, launch, read_metrics, run_nodes
+from conftest import REPO, free_port, read_metrics, run_nodes
 
 from launch import cluster, cluster_env
 
@@ -17,21 +17,23 @@ STEPS = 6
 
 @pytest.fixture(scope="module")
 def node_args(debug_args):
-    return debug_args + ["--model", "vit-debug", "--zero_stage", "3", "--max_steps", STEPS, "--eval_every", "0",
-                         "--save_every", "0", "--num_workers", "1"]
+    """The ViT debug run under ZeRO-3 for 6 steps: warm-up outlasts them, so they are stage_runs' first 6."""
+    return debug_args + ["--model", "vit-debug", "--zero_stage", "3", "--max_steps", STEPS]
 
 
 @pytest.fixture(scope="module")
-def one_node(node_args, tmp_path_factory):
-    out = tmp_path_factory.mktemp("one-node")
-    launch(node_args + ["--output_dir", out])
-    return [r["loss"] for r in read_metrics(out)]
+def one_node(stage_runs):
+    """The reference: the debug run's losses on one node of two ranks (conftest's stage_runs)."""
+    return [r["loss"] for r in read_metrics(stage_runs["vit-debug", 3])][:STEPS]
 
 
 def describe(target, out, node_args, *options):
     """The target's description for 2 nodes of 1 process, the debug run's keys after --, parsed."""
+    launcher = node_args[:node_args.index("--")] if "--" in node_args else []
+    keys = node_args[node_args.index("--") + 1:] if "--" in node_args else node_args
     args = cluster.parse(["--target", target, "--nodes", "2", "--gpus_per_node", "1", "--config",
-                          "configs/digits-vit.yaml", "--output_dir", str(out), *options, "--", *map(str, node_args)])
+                          "configs/digits-vit.yaml", "--output_dir", str(out), *launcher, *options, "--",
+                          *map(str, keys)])
     text = cluster.describe(args)
     return text if target == "slurm" else yaml.safe_load(text)
 
@@ -45,13 +47,14 @@ def free(port: int) -> bool:
             return False
 
 
-def nodes(target, out, node_args):
+def nodes(target, out, node_args, launcher="torchrun"):
     """(each node's command, each node's variables) as the target's system would start them."""
+    node_args = ["--launcher", launcher, "--", *node_args]
     if target == "skypilot":  # `run` in the workdir, with the addresses, rank and GPUs SkyPilot sets
         run = describe(target, out, node_args)["run"]
         task = next(f"sky-loopback-{i}" for i in range(1000) if free(
             cluster_env.PORT_BASE + zlib.crc32(f"sky-loopback-{i}".encode()) % cluster_env.PORT_SPAN))
-        env = {"SKYPILOT_NODE_IPS": "127.0.0.1\n127.0.0.1\n", "SKYPILOT_NUM_NODES": "2",
+        env = {"SKYPILOT_NODE_IPS": "127.0.0.1\n127.0.0.2\n", "SKYPILOT_NUM_NODES": "2",
                "SKYPILOT_NUM_GPUS_PER_NODE": "0", "SKYPILOT_TASK_ID": task}
         return [["bash", "-c", run]] * 2, [dict(env, SKYPILOT_NODE_RANK=str(r)) for r in (0, 1)]
     if target == "kubeflow":  # the trainer's command, with the torch runtime's PET_* variables
@@ -69,14 +72,19 @@ def nodes(target, out, node_args):
     return [command] * 2, [dict(env, SLURM_NODEID=str(r)) for r in (0, 1)]
 
 
-@pytest.mark.parametrize("target", cluster.TARGETS)
-def test_each_targets_node_command_trains_as_one_node(target, node_args, one_node, tmp_path):
+# torchrun with Slurm's and Kubeflow's variables in the default suite (each system's parsing of its variables:
+# tests/unit/test_cluster_descriptions.py); SkyPilot's run, and DeepSpeed's launcher per node (`--no_ssh` over a
+# hostfile of the system's hosts, or of `node-0`, `node-1` under Kubeflow, which names none), under -m slow (~10 s
+# each)
+@pytest.mark.parametrize("launcher", ["torchrun", pytest.param("deepspeed", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("target", [pytest.param("skypilot", marks=pytest.mark.slow), "kubeflow", "slurm"])
+def test_each_targets_node_command_trains_as_one_node(target, launcher, node_args, one_node, tmp_path):
     """The command each description runs on every node, with the variables its system sets: node.sh finds the
     master, port, rank and processes per node from them, and the two loopback nodes give one node's losses."""
     out = tmp_path / "run"
-    commands, envs = nodes(target, out, node_args)
+    commands, envs = nodes(target, out, node_args, launcher)
     outs = run_nodes(commands, envs)
-    assert "node 1 of 2: torchrun, 1 processes, master 127.0.0.1:" in outs[1]
+    assert f"node 1 of 2: {launcher}, 1 processes, master 127.0.0.1:" in outs[1]
     assert "world size 2 (2 node(s) x 1" in outs[0]
     np.testing.assert_array_equal([r["loss"] for r in read_metrics(out)], one_node)
 

@@ -118,3 +118,30 @@ def test_the_docs_cluster_commands_write_valid_descriptions(doc, monkeypatch, tm
         args = cluster.parse(argv)
         text = cluster.describe(args)
         assert cluster.validate(args.target, text if args.target == "slurm" else yaml.safe_load(text)) == [], line
+
+
+def test_each_systems_variables_give_the_nodes_rendezvous():
+    """launch/cluster_env.py on the variables each system sets on node 1 of 2: the master, a port the same on
+    every node, the rank and the processes per node; set MASTER_* and PROCS_PER_NODE win."""
+    from launch import cluster_env
+
+    slurm = cluster_env.cluster_env({"SLURM_JOB_ID": "123", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_NNODES": "2",
+                                     "SLURM_NODEID": "1", "SLURM_GPUS_ON_NODE": "8"})
+    assert slurm == {"MASTER_ADDR": "gpu07", "MASTER_PORT": "10123", "NNODES": "2", "NODE_RANK": "1",
+                     "PROCS_PER_NODE": "8", "HOSTS": "gpu07 gpu08"}
+    sky = {"SKYPILOT_NODE_RANK": "1", "SKYPILOT_NODE_IPS": "10.0.0.5\n10.0.0.6\n", "SKYPILOT_NUM_NODES": "2",
+           "SKYPILOT_NUM_GPUS_PER_NODE": "8", "SKYPILOT_TASK_ID": "sky-2026-12-07-vit_1"}
+    found = cluster_env.cluster_env(sky)
+    assert found["MASTER_ADDR"] == "10.0.0.5" and found["NODE_RANK"] == "1" and found["PROCS_PER_NODE"] == "8"
+    assert found["HOSTS"] == "10.0.0.5 10.0.0.6" and found["NNODES"] == "2"
+    assert found["MASTER_PORT"] == cluster_env.cluster_env(dict(sky, SKYPILOT_NODE_RANK="0"))["MASTER_PORT"]
+    assert found["MASTER_PORT"] != cluster_env.cluster_env(dict(sky, SKYPILOT_TASK_ID="another"))["MASTER_PORT"]
+    pet = {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "vit-node-0-0.vit", "PET_MASTER_PORT": "29400",
+           "PET_NPROC_PER_NODE": "8"}
+    assert cluster_env.cluster_env(pet) == {"MASTER_ADDR": "vit-node-0-0.vit", "MASTER_PORT": "29400", "NNODES": "2",
+                                            "NODE_RANK": "1", "PROCS_PER_NODE": "8", "HOSTS": "node-0 node-1"}
+    assert cluster_env.cluster_env(dict(pet, MASTER_PORT="1234", PROCS_PER_NODE="2"))["MASTER_PORT"] == "1234"
+    with pytest.raises(SystemExit, match="SKYPILOT_NODE_IPS lists 1 addresses but SKYPILOT_NUM_NODES is 2"):
+        cluster_env.cluster_env(dict(sky, SKYPILOT_NODE_IPS="10.0.0.5"))
+    with pytest.raises(SystemExit, match="PET_NNODES is '1:4': an elastic range is not supported"):
+        cluster_env.cluster_env(dict(pet, PET_NNODES="1:4"))
