@@ -95,3 +95,30 @@ def test_two_sequence_groups_train_as_two_data_ranks(debug_args, tmp_path):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), a["step"]
     evals = [(a, b) for a, b in zip(expected, got) if "val_top1" in a]
     assert evals and all(b["val_top1"] == a["val_top1"] for a, b in evals)
+
+
+@pytest.mark.slow
+def test_a_split_run_killed_mid_run_resumes_exactly(debug_args, tmp_path):
+    """ZeRO-3 with sp_size 2 under DeepSpeed's launcher, killed with SIGKILL (the whole job) once its step-10
+    checkpoint is complete: the relaunch with --resume latest resumes from the newest complete checkpoint and every
+    step's loss is the uninterrupted run's, bitwise."""
+    import os
+    import signal
+
+    from test_reliability import start, wait_for
+
+    args = debug_args + ["--model", "vit-debug", "--zero_stage", "3", "--sp_size", "2", "--max_steps", "20",
+                         "--save_every", "5", "--eval_every", "0", "--preempt_grace", "2"]
+    full = tmp_path / "full"
+    launch(args + ["--output_dir", full])
+    expected = {r["step"]: r["loss"] for r in read_metrics(full) if "loss" in r}
+    run = tmp_path / "run"
+    proc = start(args + ["--output_dir", run])
+    wait_for(lambda: (run / "checkpoints" / "step0000010" / "train_state.json").exists(), proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=90)
+    assert not (run / "checkpoints" / "step0000020").exists()
+    resumed = launch(args + ["--output_dir", run, "--resume", "latest"])
+    assert "resumed from" in resumed.stdout and "data order restarts" not in resumed.stdout
+    got = {r["step"]: r["loss"] for r in read_metrics(run) if "loss" in r}
+    assert sorted(got) == list(range(1, 21)) and got == expected
