@@ -133,16 +133,19 @@ class Profile(list):
         out.forward_flops, out.ops, out.moved_bytes = self.forward_flops, self.ops, self.moved_bytes
         return out
 
-    def sequence_share(self, sp_size: int) -> "Profile":
+    def sequence_share(self, sp_size: int, split: set | None = None) -> "Profile":
         """One rank's share under sequence parallelism (parallel/sequence.py): each block's activations, FLOPs and
         traffic an sp_size-th (its tokens through the norms, MLP and residuals, its heads through attention); the
-        stem, the final norm and the head whole on every rank of the group. The padding of a token count that
-        sp_size does not divide is not counted."""
+        stem, the final norm and the head whole on every rank of the group, and so the blocks not in `split` (block
+        names; default: all), MAE's decoder. The padding of a token count that sp_size does not divide is not
+        counted."""
         if sp_size == 1:
             return self
-        out = Profile(p.scaled(1 / sp_size) for p in self)
+        split = {p.name for p in self} if split is None else split
+        out = Profile(p.scaled(1 / sp_size) if p.name in split else p for p in self)
         out.bytes_outside, out.grad_outside, out.ops = self.bytes_outside, self.grad_outside, self.ops
-        flops, moved = sum(p.flops for p in self), sum(p.moved for p in self)
+        flops = sum(p.flops for p in self if p.name in split)
+        moved = sum(p.moved for p in self if p.name in split)
         out.forward_flops = round(self.forward_flops - flops + flops / sp_size)
         out.moved_bytes = round(self.moved_bytes - moved + moved / sp_size)
         return out

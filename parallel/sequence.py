@@ -14,6 +14,10 @@ Plugged into a Hugging Face ViT without forking it:
   whole sequence is summed back to each slice) and drops the padding, so the final norm, the pooling and the
   head run on the whole sequence, the same on every rank of the group.
 
+MAE (ViTMAEForPreTraining): its encoder is split the same way over the patches its masking keeps (the embeddings
+return them with the mask and the order to restore, passed on whole); its decoder runs on the whole sequence, the
+same on every rank of the group, as the classifier's head does.
+
 Every rank of a group computes the same loss; its backward sums the group's gradients of each token, so the
 engines' gradient average over all ranks is the data-parallel average (their sum over a group is sp_size x the
 group's gradient, their mean over world = data ranks x sp_size ranks is the mean over the data ranks). The
@@ -26,7 +30,14 @@ import torch.nn.functional as F
 import compat
 
 ATTENTION = "sequence_parallel"  # the name of the attention function in transformers' AttentionInterface
-MODEL_TYPES = ("vit",)  # models whose every block attends globally over one sequence with a CLS token
+MODEL_TYPES = ("vit", "vit_mae")  # models whose every block attends globally over one sequence with a CLS token
+TASKS = ("classification", "mae")
+BACKBONE = "vit."  # the blocks split: the backbone's (ViT's and ViTMAE's base_model_prefix); MAE's decoder runs whole
+
+
+def split_blocks(names) -> set:
+    """Of a model's block names (models/blocks.py), those whose tokens the split divides."""
+    return {n for n in names if n.startswith(BACKBONE)}
 
 
 class SequenceGroup:
@@ -59,8 +70,9 @@ def check(model_config, sp_size: int, world_size: int, tp_size: int = 1, task: s
         return f"sp_size {sp_size} does not divide the world size ({world_size})"
     if tp_size > 1:
         return "sp_size > 1 with tp_size > 1: sequence and tensor parallelism do not compose here yet; use one"
-    if task != "classification":
-        return f"sp_size > 1 with task {task}: sequence parallelism splits the classifiers' ViTs only so far"
+    if task not in TASKS:
+        return (f"sp_size > 1 with task {task}: sequence parallelism splits the ViTs of {' and '.join(TASKS)} so far "
+                f"(SimMIM's masked tokens and segmentation's windowed backbones are not split)")
     kind = getattr(model_config, "model_type", "?")
     if kind not in MODEL_TYPES:
         return (f"sp_size > 1 with a {kind} model: sequence parallelism splits models whose every block attends "
@@ -109,12 +121,14 @@ def attention(sp: SequenceGroup):
 
 def _shard(sp: SequenceGroup):
     def hook(module, args, out):
-        sp.tokens = out.shape[1]
+        tokens, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)  # MAE: (tokens, mask, order)
+        sp.tokens = tokens.shape[1]
         sp.padded = -(-sp.tokens // sp.size) * sp.size
         if sp.padded != sp.tokens:
-            out = F.pad(out, (0, 0, 0, sp.padded - sp.tokens))
+            tokens = F.pad(tokens, (0, 0, 0, sp.padded - sp.tokens))
         local = sp.padded // sp.size
-        return out[:, sp.index * local:(sp.index + 1) * local]
+        tokens = tokens[:, sp.index * local:(sp.index + 1) * local]
+        return tokens if rest is None else (tokens, *rest)
 
     return hook
 
@@ -134,7 +148,7 @@ def apply(model: torch.nn.Module, sp_size: int, rank: int, world_size: int) -> S
     from transformers import AttentionInterface
 
     sp = SequenceGroup(sp_size, rank, world_size)
-    backbone = model.base_model  # ViTModel: embeddings -> blocks -> layernorm -> pooler
+    backbone = model.base_model  # ViTModel, ViTMAEModel: embeddings -> blocks -> layernorm (-> pooler)
     AttentionInterface.register(ATTENTION, attention(sp))
     model.config._attn_implementation = ATTENTION
     for module in backbone.modules():  # the blocks' attention modules read the config they were built with

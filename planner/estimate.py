@@ -11,7 +11,7 @@ from engine.ds_config import DTYPES
 from engine.memory import offloaded, offloaded_bytes
 from engine.registry import engine_class
 from models.blocks import Block
-from parallel import pipeline
+from parallel import pipeline, sequence
 from planner.devices import ALLOCATOR_MARGIN, DEFAULT_MBU, DEFAULT_MFU, RESERVED_GIB, Device, target
 from planner.host import host_seconds, probed_engine
 
@@ -38,13 +38,15 @@ def tp_allreduce_bytes(prof, plan, tp_size: int) -> float:
     return passes * 2 * (tp_size - 1) / tp_size
 
 
-def sp_alltoall_bytes(prof, plan, sp_size: int) -> float:
+def sp_alltoall_bytes(prof, plan, sp_size: int, split: set | None = None) -> float:
     """Bytes a rank sends per micro-batch in its sequence group's all-to-alls (parallel/sequence.py): four per
-    block (Q, K, V and the attention's output), each of the rank's share of the block's input, in the forward,
-    four more in the backward and four more in a block recomputed whole; an all-to-all sends (N-1)/N of it."""
+    split block (`split`: block names, default all; Q, K, V and the attention's output), each of the rank's share
+    of the block's input, in the forward, four more in the backward and four more in a block recomputed whole; an
+    all-to-all sends (N-1)/N of it."""
     if sp_size == 1:
         return 0.0
-    passes = sum(4 * (2 + (how == "full")) * p.bytes_full for p, how in zip(prof, plan))
+    passes = sum(4 * (2 + (how == "full")) * p.bytes_full for p, how in zip(prof, plan)
+                 if split is None or p.name in split)
     return passes * (sp_size - 1) / sp_size
 
 
@@ -82,7 +84,8 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
                                  measured, mbu, rates)
     prof, n_params, largest = measured or profile_model(cfg, target(device), DTYPES[precision])
     sp = cfg.sp_size
-    prof = prof.sequence_share(sp)  # a rank's share of the blocks' tokens
+    split = sequence.split_blocks(p.name for p in prof)  # MAE's decoder runs whole on every rank
+    prof = prof.sequence_share(sp, split)  # a rank's share of the split blocks' tokens
     fwd_flops, n_ops = prof.forward_flops / cfg.micro_batch_size, prof.ops
     tp = cfg.tp_size
     data_ranks = world_size // tp  # ZeRO's partitions and the data-parallel collectives: over these
@@ -139,7 +142,7 @@ def estimate(cfg: Config, ds_config: dict, precision: str, world_size: int, rank
     comm_s = intra / (device.intra_gbs * 1e9) + inter / (device.inter_gbs * 1e9)
     tp_bytes = tp_allreduce_bytes(prof, plan, tp) * cfg.grad_accum_steps
     tp_s = tp_bytes / (device.intra_gbs * 1e9)
-    sp_bytes = sp_alltoall_bytes(prof, plan, sp) * cfg.grad_accum_steps
+    sp_bytes = sp_alltoall_bytes(prof, plan, sp, split) * cfg.grad_accum_steps
     sp_s = sp_bytes / (device.intra_gbs * 1e9)  # a sequence group within a node, between the operators
     zeropp = cfg.zero_stage == 3 and bool(zero.get("zero_quantized_weights") or zero.get("zero_quantized_gradients")
                                           or zero.get("zero_hpz_partition_size", 1) > 1)

@@ -122,3 +122,32 @@ def test_a_split_run_killed_mid_run_resumes_exactly(debug_args, tmp_path):
     assert "resumed from" in resumed.stdout and "data order restarts" not in resumed.stdout
     got = {r["step"]: r["loss"] for r in read_metrics(run) if "loss" in r}
     assert sorted(got) == list(range(1, 21)) and got == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", [["--engine", "fsdp2"], ["--engine", "deepspeed", "--zero_stage", "3"]],
+                         ids=["fsdp2", "zero3"])
+def test_mae_split_over_two_ranks_trains_as_one_rank_does(engine, debug_args, tmp_path):
+    """MAE with its encoder's kept tokens split over two ranks (17 with the CLS token at 16 px and mask ratio 0.75:
+    odd, padded) and its decoder whole on each: 8 steps with stochastic depth give one rank's losses and gradient
+    norms within fp32 reduction order and its val loss; the exported pretraining model computes one rank's loss."""
+    from transformers import ViTMAEForPreTraining
+
+    args = debug_args + ["--model", "vit-debug", "--task", "mae", "--mask_ratio", "0.75", "--max_steps", "8",
+                         "--eval_every", "8", "--save_every", "0", "--drop_path", "0.1"] + engine
+    one, split = tmp_path / "one", tmp_path / "split"
+    launch(args + ["--output_dir", one], nproc=1)
+    proc = launch(args + ["--sp_size", "2", "--output_dir", split])
+    assert "= 1 data x 2 sequence parallel" in proc.stdout
+    expected, got = read_metrics(one), read_metrics(split)
+    train = [(a, b) for a, b in zip(expected, got) if "loss" in a]
+    assert [b["step"] for _, b in train] == list(range(1, 9))
+    for a, b in train:
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), a["step"]
+    assert got[-1]["val_loss"] == pytest.approx(expected[-1]["val_loss"], rel=1e-5)
+    images, noise = torch.randn(4, 3, 16, 16), torch.rand(4, 64)
+    with torch.no_grad():
+        losses = [ViTMAEForPreTraining.from_pretrained(d / "hf_model").eval()(pixel_values=images, noise=noise).loss
+                  for d in (one, split)]
+    assert losses[1].item() == pytest.approx(losses[0].item(), rel=1e-5)

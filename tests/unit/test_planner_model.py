@@ -330,3 +330,24 @@ def test_the_planner_predicts_the_h200_runs():
     for name, (peak_error, step_error) in errors.items():
         assert abs(peak_error) <= 0.05, name
         assert abs(step_error) <= 0.25, name
+
+
+def test_mae_under_sequence_parallelism_splits_its_encoder_and_keeps_its_decoder_whole():
+    """MAE's profile under sp_size 2: the encoder's blocks (`vit.`) an s-th each, the decoder's whole on every
+    rank, and all-to-alls for the encoder's blocks alone."""
+    from ac.profile import profile_model
+    from parallel import sequence
+    from planner.estimate import sp_alltoall_bytes
+
+    cfg = replace(Config(), task="mae", model="vit-small", image_size=64, patch_size=8, micro_batch_size=4)
+    prof = profile_model(cfg, "cpu")[0]
+    split = sequence.split_blocks(b.name for b in prof)
+    decoder = [b.name for b in prof if b.name not in split]
+    assert len(split) == 12 and decoder and all(n.startswith("decoder.") for n in decoder)
+    share = prof.sequence_share(2, split)
+    for whole, part in zip(prof, share):
+        assert part.bytes_none == (round(whole.bytes_none / 2) if whole.name in split else whole.bytes_none)
+    encoder_flops = sum(b.flops for b in prof if b.name in split)
+    assert share.forward_flops == round(prof.forward_flops - encoder_flops / 2)
+    plan = ["none"] * len(prof)
+    assert sp_alltoall_bytes(share, plan, 2, split) == sum(4 * 2 * b.bytes_full for b in share if b.name in split) / 2
