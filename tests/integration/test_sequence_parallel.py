@@ -151,3 +151,24 @@ def test_mae_split_over_two_ranks_trains_as_one_rank_does(engine, debug_args, tm
         losses = [ViTMAEForPreTraining.from_pretrained(d / "hf_model").eval()(pixel_values=images, noise=noise).loss
                   for d in (one, split)]
     assert losses[1].item() == pytest.approx(losses[0].item(), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_ddp_and_compiled_blocks_split_as_one_rank_trains(debug_args, tmp_path):
+    """sp_size 2 under the DDP engine, and under FSDP2 with every block compiled (the attention's all-to-alls
+    inside the compiled block): 6 steps give one rank's losses and gradient norms within fp32 reduction order,
+    and its val top-1."""
+    args = debug_args + ["--model", "vit-debug", "--max_steps", "6", "--eval_every", "6", "--save_every", "0"]
+    one = tmp_path / "one"
+    launch(args + ["--engine", "ddp", "--output_dir", one], nproc=1)
+    expected = read_metrics(one)
+    for name, extra in {"ddp": ["--engine", "ddp"], "compiled": ["--engine", "fsdp2", "--compile", "true"]}.items():
+        out = tmp_path / name
+        launch(args + extra + ["--sp_size", "2", "--output_dir", out], timeout=600)
+        got = read_metrics(out)
+        train = [(a, b) for a, b in zip(expected, got) if "loss" in a]
+        assert [b["step"] for _, b in train] == list(range(1, 7)), name
+        for a, b in train:
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (name, a["step"])
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), (name, a["step"])
+        assert got[-1]["val_top1"] == expected[-1]["val_top1"], name
