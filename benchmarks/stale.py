@@ -54,6 +54,7 @@ MEASURED = {
     "scaling": TRAINER + PLANNER + ("benchmarks/scaling.py", "configs/digits-vit.yaml"),
     "sequence": WORKER + PLANNER + ("benchmarks/sequence_bench.py",),
     "sequence/digits": TRAINER + ("configs/digits-vit.yaml",),
+    "sequence/deepspeed-ulysses": ("benchmarks/ulysses_check.py", "parallel/sequence.py", "compat.py", "models/"),
     "sweep-digits": TRAINER + PLANNER + ("sweep.py", "configs/sweeps/digits.yaml", "configs/digits-vit.yaml"),
     "task-memory": TRAINER + PLANNER + ("benchmarks/task_memory.py",),
     "trainer": TRAINER + WORKER + ("benchmarks/trainer_check.py",),
