@@ -1,7 +1,8 @@
 """DeepSpeed's own ViT sequence parallelism (`deepspeed.sequence.auto_sp.auto_wrap_model_for_sp`, which wraps each
 ViT attention in `UlyssesSPViTAttention`) beside this repo's (parallel/sequence.py), each checked against one rank.
 
-    .venv/bin/python -m benchmarks.ulysses_check     # 2 CPU ranks (gloo), ~30 s; writes its report
+    .venv/bin/python -m benchmarks.ulysses_check              # 2 CPU ranks (gloo), ~30 s; writes its report
+    .venv/bin/python -m benchmarks.ulysses_check --out DIR    # elsewhere (the tests)
 
 One seeded ViT-S/4 at 32 px (64 patches and a CLS token), one batch of 8 images, fp32. Every rank computes the
 unsplit model's loss and gradients (the reference), then each split over the 2 ranks' sequence group:
@@ -195,9 +196,14 @@ def main():
             with open(os.environ["ULYSSES_OUT"], "w") as f:
                 json.dump(results, f, indent=1)
         return
+    import argparse
     import tempfile
 
     from launch.job import run
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=OUT, help="where results.json, environment.json and report.md go")
+    out = parser.parse_args().out
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "results.json")
@@ -209,13 +215,13 @@ def main():
         with open(path) as f:
             results = json.load(f)
     env = versions()
-    os.makedirs(OUT, exist_ok=True)
+    os.makedirs(out, exist_ok=True)
     for name, data in (("results.json", results), ("environment.json", env)):
-        with open(os.path.join(OUT, name), "w") as f:
+        with open(os.path.join(out, name), "w") as f:
             json.dump(data, f, indent=1)
             f.write("\n")
     text = report(results, env)
-    with open(os.path.join(OUT, "report.md"), "w") as f:
+    with open(os.path.join(out, "report.md"), "w") as f:
         f.write(text)
     print(text)
 

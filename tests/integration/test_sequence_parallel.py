@@ -172,3 +172,26 @@ def test_ddp_and_compiled_blocks_split_as_one_rank_trains(debug_args, tmp_path):
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (name, a["step"])
             assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), (name, a["step"])
         assert got[-1]["val_top1"] == expected[-1]["val_top1"], name
+
+
+@pytest.mark.slow
+def test_deepspeeds_ulysses_wrapper_loses_the_gradient_this_split_keeps(tmp_path):
+    """benchmarks/ulysses_check.py on 2 ranks: this repo's split gives one rank's loss and gradients (1e-5);
+    DeepSpeed's UlyssesSPViTAttention fails on transformers' ViT as wrapped, and with the mask by keyword gives
+    the loss but not the gradients, averaged or summed (what docs/sequence_parallel.md says of it)."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.ulysses_check", "--out", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    ours = results["this repo (parallel/sequence.py)"]
+    assert ours["loss_relative_error"] < 1e-5 and ours["gradients"]["sum / sp_size"]["global_relative_error"] < 1e-5
+    assert results["deepspeed as wrapped"].startswith("TypeError")
+    theirs = results["deepspeed (UlyssesSPViTAttention, mask by keyword)"]
+    assert theirs["loss_relative_error"] < 1e-5
+    assert all(g["global_relative_error"] > 0.1 for g in theirs["gradients"].values())
