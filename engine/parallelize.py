@@ -37,6 +37,6 @@ def cut_stage(model, cfg: Config, device_type: str, log) -> tuple:
     stage = mesh.get_local_rank("pp")
     layers = layer_ids(model) if cfg.layer_decay < 1 else None  # numbered before the cut
     blocks = len(find_blocks(model))
-    pipeline.split(model, stage, cfg.pp_size)
+    pipeline.split(model, stage, cfg.pp_size, cfg.pp_split)
     log(pipeline.describe(cfg, blocks))
     return mesh, stage, layers

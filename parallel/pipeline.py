@@ -74,11 +74,27 @@ def stage_profile(profile, names: list[str], cfg, stage: int):
     return profile.stage_share(names).scaled(held / pieces)
 
 
-def stage_blocks(blocks: int, stages: int) -> list[range]:
-    """The blocks each stage holds, in order, as even as they divide; the remainder goes to the later stages,
-    which hold fewer pieces' activations under 1F1B (and the first also holds the embeddings)."""
-    base, extra = divmod(blocks, stages)
-    sizes = [base + (s >= stages - extra) for s in range(stages)]
+def parse_split(split: str) -> list[int]:
+    """`pp_split` as block counts ([] when unset); ValueError for what is not a list of positive integers."""
+    if not split.strip():
+        return []
+    try:
+        sizes = [int(part) for part in split.split(",")]
+    except ValueError:
+        sizes = [0]
+    if min(sizes) < 1:
+        raise ValueError(f"pp_split '{split}': comma-separated block counts, each at least 1 (e.g. 5,7,7,5)")
+    return sizes
+
+
+def stage_blocks(blocks: int, stages: int, split: str = "") -> list[range]:
+    """The blocks each stage holds, in order: `split`'s counts (`pp_split`, checked by `check`), else as even as
+    they divide, the remainder to the later stages, which hold fewer pieces' activations under 1F1B (and the first
+    also holds the embeddings)."""
+    sizes = parse_split(split)
+    if not sizes:
+        base, extra = divmod(blocks, stages)
+        sizes = [base + (s >= stages - extra) for s in range(stages)]
     starts = [sum(sizes[:s]) for s in range(stages)]
     return [range(start, start + size) for start, size in zip(starts, sizes)]
 
@@ -94,7 +110,7 @@ def mesh(device_type: str, pp_size: int):
 def describe(cfg, blocks: int) -> str:
     """The start-up line: which blocks each stage holds, the schedule, its pieces and bubble."""
     pieces = microbatches(cfg.pp_size, cfg.pp_microbatches, cfg.micro_batch_size)
-    stages = " | ".join(f"{r.start}-{r.stop - 1}" for r in stage_blocks(blocks, cfg.pp_size))
+    stages = " | ".join(f"{r.start}-{r.stop - 1}" for r in stage_blocks(blocks, cfg.pp_size, cfg.pp_split))
     return (f"pipeline: {cfg.pp_size} stages of blocks {stages} | {cfg.pp_schedule}, {pieces} pieces of "
             f"{cfg.micro_batch_size // pieces} images per micro-batch | bubble {bubble(cfg.pp_size, pieces):.0%}")
 
@@ -103,7 +119,7 @@ def check(model_config, cfg, world_size: int) -> str | None:
     """One line for what pipeline parallelism cannot do here (ConfigError's message), or None."""
     pp = cfg.pp_size
     if pp == 1:
-        return None
+        return "pp_split needs pp_size > 1" if cfg.pp_split.strip() else None
     if world_size % pp:
         return f"pp_size {pp} does not divide the world size ({world_size})"
     if cfg.tp_size > 1 or cfg.sp_size > 1:
@@ -119,6 +135,13 @@ def check(model_config, cfg, world_size: int) -> str | None:
     blocks = model_config.num_hidden_layers
     if pp > blocks:
         return f"pp_size {pp} is more stages than the model's {blocks} blocks"
+    try:
+        sizes = parse_split(cfg.pp_split)
+    except ValueError as e:
+        return str(e)
+    if sizes and (len(sizes) != pp or sum(sizes) != blocks):
+        return (f"pp_split '{cfg.pp_split}' gives {len(sizes)} stages {sum(sizes)} blocks; the model has {blocks} "
+                f"blocks over pp_size {pp} stages")
     pieces = microbatches(pp, cfg.pp_microbatches, cfg.micro_batch_size)
     if cfg.micro_batch_size % pieces:
         return f"pp_microbatches {pieces} does not divide micro_batch_size {cfg.micro_batch_size}"
@@ -131,11 +154,12 @@ def check(model_config, cfg, world_size: int) -> str | None:
     return None
 
 
-def split(model: nn.Module, stage: int, stages: int) -> range:
-    """Keep stage `stage` of `stages` of a ViT classifier in place (see the module's docstring); its blocks."""
+def split(model: nn.Module, stage: int, stages: int, sizes: str = "") -> range:
+    """Keep stage `stage` of `stages` of a ViT classifier in place (see the module's docstring); its blocks.
+    `sizes`: pp_split's block counts ("" = as even as they divide)."""
     blocks = find_blocks(model)
     parent = model.get_submodule(blocks[0].name.rsplit(".", 1)[0])  # the ModuleList every ViT block sits in
-    keep = stage_blocks(len(blocks), stages)[stage]
+    keep = stage_blocks(len(blocks), stages, sizes)[stage]
     for i in range(len(parent)):
         if i not in keep:
             parent[i] = Dropped()

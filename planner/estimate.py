@@ -213,7 +213,7 @@ def pipeline_estimate(cfg: Config, ds_config: dict, precision: str, world_size: 
                "forward_flops": prof.forward_flops - sum(p.flops for p in prof),
                "ops": prof.ops - sum(p.ops for p in prof), "moved_bytes": prof.moved_bytes - sum(p.moved for p in prof),
                "bytes_outside": prof.bytes_outside, "grad_outside": prof.grad_outside}
-    per_stage, cuts = [], pipeline.stage_blocks(len(prof), stages)
+    per_stage, cuts = [], pipeline.stage_blocks(len(prof), stages, cfg.pp_split)
     # consecutive ranks form a pipeline: a stage's data-parallel ranks, one per pipeline, are this many a node
     stage_per_node = ranks_per_node // stages if ranks_per_node % stages == 0 else 1
     for s, blocks in enumerate(cuts):

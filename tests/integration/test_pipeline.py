@@ -161,3 +161,17 @@ def test_a_stage_killed_mid_run_ends_the_job_and_the_relaunch_resumes_exactly(de
     assert "at step 10" in proc.stdout or "at step 20" in proc.stdout
     got, expected = steps(run), steps(reference)
     assert {s: got[s]["loss"] for s in range(21, 31)} == {s: expected[s]["loss"] for s in range(21, 31)}
+
+
+@pytest.mark.slow
+def test_an_uneven_split_trains_as_one_rank_does(debug_args, tmp_path):
+    """vit-digits' 6 blocks cut 2 | 4 by pp_split on two ranks: the start-up line names the cut, and 6 steps give
+    one rank's losses and gradient norms within fp32 reduction order."""
+    args = debug_args + ["--model", "vit-digits", "--engine", "fsdp2", "--max_steps", "6", "--eval_every", "0",
+                         "--save_every", "0"]
+    one = tmp_path / "one"
+    launch(args + ["--output_dir", one], nproc=1)
+    split = tmp_path / "split"
+    proc = launch(args + ["--pp_size", "2", "--pp_split", "2,4", "--output_dir", split])
+    assert "pipeline: 2 stages of blocks 0-1 | 2-5" in proc.stdout
+    assert_close_steps(steps(split), steps(one), 1, 6)

@@ -21,6 +21,12 @@ def test_the_blocks_are_cut_in_order_as_evenly_as_they_divide(blocks, stages, ex
     assert [i for r in cut for i in r] == list(range(blocks))
 
 
+def test_pp_split_cuts_the_blocks_as_it_lists_them():
+    cut = pipeline.stage_blocks(24, 4, "5,7,7,5")
+    assert [(r.start, r.stop) for r in cut] == [(0, 5), (5, 12), (12, 19), (19, 24)]
+    assert pipeline.stage_blocks(6, 2, " ") == pipeline.stage_blocks(6, 2)  # unset: as even as they divide
+
+
 @pytest.mark.parametrize("stages, micro, given, pieces", [
     (2, 32, 0, 4),  # 1 / (4 + 1) = 20%: the fewest pieces at or under the bound
     (4, 32, 0, 16),  # 3 / 15 = 20%
@@ -48,6 +54,13 @@ def test_the_pieces_keep_the_bubble_at_or_under_a_fifth(stages, micro, given, pi
     ("vit-digits", ["--pp_microbatches", "5"], 2, "pp_microbatches 5 does not divide micro_batch_size 32"),
     ("vit-digits", ["--replicate_degree", "2"], 4, "with replicate_degree > 1"),
     ("vit-digits", ["--ema_decay", "0.99"], 2, "with ema_decay"),
+    ("vit-digits", ["--pp_split", "2,4"], 2, None),
+    ("vit-digits", ["--pp_split", "2,2"], 2, "pp_split '2,2' gives 2 stages 4 blocks; the model has 6 blocks over "
+                                             "pp_size 2 stages"),
+    ("vit-digits", ["--pp_split", "1,2,3"], 2, "gives 3 stages 6 blocks"),
+    ("vit-digits", ["--pp_split", "6,0"], 2, "pp_split '6,0': comma-separated block counts, each at least 1"),
+    ("vit-digits", ["--pp_split", "three,3"], 2, "comma-separated block counts"),
+    ("vit-digits", ["--pp_size", "1", "--pp_split", "3,3"], 2, "pp_split needs pp_size > 1"),
 ])
 def test_what_the_pipeline_refuses(model, args, world, says):
     cfg = parse(["--engine", "fsdp2", "--pp_size", "2", "--model", model, *args])
@@ -68,6 +81,8 @@ def test_a_stage_keeps_its_modules_under_their_own_names_and_computes_its_part()
     assert set(names[0]) | set(names[1]) == set(dict(whole.named_parameters()))
     assert [len(find_blocks(m)) for m in stages] == [3, 3]
     assert "classifier.weight" in names[1] and not any("embeddings" in n for n in names[1])
+    uneven = build_model("vit-digits", 10, 16, seed=0)[0].eval()
+    assert list(pipeline.split(uneven, 0, 2, "2,4")) == [0, 1] and len(find_blocks(uneven)) == 2
     images = torch.randn(4, 3, 16, 16)
     with torch.no_grad():
         torch.testing.assert_close(stages[1](stages[0](images)), whole(pixel_values=images).logits)

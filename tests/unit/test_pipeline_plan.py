@@ -44,3 +44,17 @@ def test_a_pipeline_reads_fewer_micro_batches_and_its_stages_hold_their_share_of
     # each stage's FSDP2 shard: about a quarter of the blocks' weights over a quarter of the ranks
     assert staged["memory"]["weights"] == pytest.approx(whole["memory"]["weights"], rel=0.15)
     assert staged["pp_comm_bytes_per_step_per_rank"] > 0 and whole.get("pp_comm_s", 0) == 0
+
+
+def test_pp_split_moves_blocks_and_the_stages_work_and_memory_follow():
+    """`pp_split` 5,7,7,5 of ViT-L's 24 blocks: the stages hold those blocks; the end stages, with fewer blocks,
+    do less of the micro-batch's work than under the even cut, the middle ones more; 1F1B's first stage, which
+    holds the most pieces, peaks lower with 5 blocks than with 6."""
+    even, uneven = plan(4), plan(4, pp_split="5,7,7,5")
+    assert [s["blocks"] for s in uneven["stages"]] == ["0-4", "5-11", "12-18", "19-23"]
+    assert [s["blocks"] for s in even["stages"]] == ["0-5", "6-11", "12-17", "18-23"]
+    for i in (0, 3):
+        assert uneven["stages"][i]["micro_s"] < even["stages"][i]["micro_s"]
+    for i in (1, 2):
+        assert uneven["stages"][i]["micro_s"] > even["stages"][i]["micro_s"]
+    assert uneven["stages"][0]["peak_bytes"] < even["stages"][0]["peak_bytes"]
