@@ -115,7 +115,8 @@ def describe(e: dict) -> str:
              + (f" x tensor parallel {tp}" if tp > 1 else "")
              + (f" x sequence parallel {e['sp_size']}" if e.get("sp_size", 1) > 1 else "")
              + (f" x pipeline {pp} ({e['pp_schedule']}, {e['pp_microbatches']} pieces a micro-batch, bubble "
-                f"{e['bubble']:.0%})" if pp > 1 else "")
+                f"{e['bubble']:.0%}" + (f", blocks cut {e['pp_split']}" if e.get("pp_split") else "") + ")"
+                if pp > 1 else "")
              + f" | micro-batch {e['micro_batch_size']} x {e['grad_accum_steps']} accumulation x "
              f"{e['world_size'] // tp // e.get('sp_size', 1) // pp} "
              f"{'data-parallel ' if tp * e.get('sp_size', 1) * pp > 1 else ''}ranks "
@@ -512,7 +513,7 @@ def main(argv=None):
             if a.out:
                 chosen = replace(cfg, engine=best["engine"], zero_stage=best["zero_stage"], tp_size=best["tp_size"],
                                  sp_size=best["sp_size"], pp_size=best["pp_size"],
-                                 pp_microbatches=best.get("pp_microbatches", 0),
+                                 pp_microbatches=best.get("pp_microbatches", 0), pp_split=best.get("pp_split", ""),
                                  replicate_degree=best["replicate_degree"],
                                  micro_batch_size=best["micro_batch_size"],
                                  grad_accum_steps=best["grad_accum_steps"], ac=best["ac"], precision=precision,

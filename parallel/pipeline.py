@@ -99,6 +99,24 @@ def stage_blocks(blocks: int, stages: int, split: str = "") -> list[range]:
     return [range(start, start + size) for start, size in zip(starts, sizes)]
 
 
+def candidate_splits(blocks: int, stages: int, shifts: int = 2) -> list[str]:
+    """The cuts the planner tries (as `pp_split` values; "" is the even one): the even cut, and the even cut with
+    1 to `shifts` blocks moved off each end stage (which also run the embeddings and the head, and under 1F1B the
+    first holds the most pieces) onto the middle ones; with two stages, blocks moved either way."""
+    base = [r.stop - r.start for r in stage_blocks(blocks, stages)]
+    found = []
+    for k in range(1, shifts + 1):
+        if stages == 2:
+            moves = [[base[0] - k, base[1] + k], [base[0] + k, base[1] - k]]
+        else:
+            sizes = [base[0] - k, *base[1:-1], base[-1] - k]
+            for i in range(2 * k):
+                sizes[1 + i % (stages - 2)] += 1
+            moves = [sizes]
+        found += [",".join(map(str, m)) for m in moves if min(m) >= 1]
+    return ["", *dict.fromkeys(found)]
+
+
 def mesh(device_type: str, pp_size: int):
     """A (dp, pp) device mesh: consecutive ranks form a pipeline ('pp'); the ranks holding the same stage, one per
     pipeline, form its data-parallel group ('dp')."""

@@ -238,7 +238,7 @@ def pipeline_estimate(cfg: Config, ds_config: dict, precision: str, world_size: 
     highest = max(per_stage, key=lambda e: e["peak_bytes"])  # the stage that sets the peak
     images = cfg.micro_batch_size * accum * world_size // (cfg.tp_size * cfg.sp_size * stages)
     return {**highest, "params": n_params, "world_size": world_size, "ranks_per_node": ranks_per_node,
-            "pp_size": stages,
+            "pp_size": stages, "pp_split": cfg.pp_split,
             "pp_schedule": cfg.pp_schedule, "pp_microbatches": pieces,
             "bubble": pipeline.bubble(stages, pieces), "global_batch": images,
             "stages": [{"blocks": f"{r.start}-{r.stop - 1}", "peak_bytes": e["peak_bytes"], "micro_s": e["micro_s"],

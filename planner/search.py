@@ -40,7 +40,8 @@ def search(cfg: Config, ds_config_for, precision: str, world_size: int, ranks_pe
     model and cluster. `sp`: the sequence-parallel sizes to try (default cfg.sp_size), each checked against the
     model (parallel/sequence.py) and within a node, and searched without tensor parallelism (they do not compose).
     `pp`: the pipeline sizes to try (default cfg.pp_size), each checked against the model (parallel/pipeline.py)
-    and searched alone, under the engines that run a pipeline (FSDP2, DDP), with the pieces pp_microbatches gives.
+    and searched alone, under the engines that run a pipeline (FSDP2, DDP), with the pieces pp_microbatches gives,
+    over the cuts of the blocks `pipeline.candidate_splits` lists (cfg's `pp_split` alone when it sets one).
     `rates`: a calibration of cfg's micro-batch (estimate()), which then is the only micro-batch and the only
     tensor-parallel size (cfg's) searched."""
     policies = policies or ("none", "light", "selective", "full")
@@ -92,9 +93,11 @@ def search(cfg: Config, ds_config_for, precision: str, world_size: int, ranks_pe
                 if stages > 1 and micro % pipeline.microbatches(stages, cfg.pp_microbatches, micro):
                     continue  # the given pieces do not divide this micro-batch
                 scaled = (base[0].scaled(micro / PROFILE_BATCH), *base[1:])
-                for ac in policies:
+                cuts = [""] if stages == 1 else [cfg.pp_split] if cfg.pp_split and stages == cfg.pp_size else \
+                    pipeline.candidate_splits(len(base[0]), stages)
+                for ac, cut in ((ac, cut) for ac in policies for cut in cuts):
                     candidate = replace(cfg, **{"engine": engine, "micro_batch_size": micro, "tp_size": size,
-                                                "sp_size": split, "pp_size": stages,
+                                                "sp_size": split, "pp_size": stages, "pp_split": cut,
                                                 "grad_accum_steps": per_rank // micro, "ac": ac, "ds_config": "",
                                                 "replicate_degree": 1, **variant})
                     est = estimate(candidate, ds_config_for(candidate), precision, world_size, ranks_per_node,

@@ -58,3 +58,34 @@ def test_pp_split_moves_blocks_and_the_stages_work_and_memory_follow():
     for i in (1, 2):
         assert uneven["stages"][i]["micro_s"] > even["stages"][i]["micro_s"]
     assert uneven["stages"][0]["peak_bytes"] < even["stages"][0]["peak_bytes"]
+
+
+def test_the_search_tries_the_cuts_and_writes_the_fastest(tmp_path):
+    """plan.py --pp_sizes 4 on ViT-B/16's 12 blocks: the search estimates the even cut and 1 or 2 blocks moved
+    off each end stage (pipeline.candidate_splits), a plan's pp_split is the fastest one's, and a recipe that
+    sets pp_split is searched with that cut alone."""
+    import contextlib
+    import io
+    import json
+
+    import plan
+    from parallel import pipeline
+
+    assert pipeline.candidate_splits(12, 4) == ["", "2,4,4,2", "1,5,5,1"]
+
+    def searched(*extra):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            plan.main(["--model", "vit-base", "--image_size", "224", "--num_labels", "1000", "--precision", "bf16",
+                       "--world_size", "16", "--ranks_per_node", "8", "--device", "h100-80gb", "--global_batch",
+                       "1024", "--pp_sizes", "4", "--json", "--top", "1000", *extra])
+        return [e for e in json.loads(out.getvalue())["feasible"] if e["pp_size"] == 4]
+
+    found = searched()
+    assert {e["pp_split"] for e in found} == {"", "2,4,4,2", "1,5,5,1"}
+    fastest = min(found, key=lambda e: e["step_s"])
+    same = [e for e in found if (e["engine"], e["micro_batch_size"], e["ac"], e.get("reshard")) ==
+            (fastest["engine"], fastest["micro_batch_size"], fastest["ac"], fastest.get("reshard"))]
+    assert fastest["step_s"] == min(e["step_s"] for e in same) and len({e["pp_split"] for e in same}) == 3
+    assert {e["pp_split"] for e in searched("--engine", "fsdp2", "--pp_size", "4", "--pp_split", "2,4,4,2")} == \
+        {"2,4,4,2"}
