@@ -52,7 +52,8 @@ class Source:
 
 OBJECT_URL = re.compile(r"^([a-z][a-z0-9+.-]*)://")
 # S3's connection settings unless fsspec's own configuration sets them (FSSPEC_S3_CONFIG_KWARGS, ~/.config/fsspec):
-# an endpoint that does not answer is a DataError in seconds, not after botocore's minute per attempt
+# an endpoint that does not answer is a DataError in seconds, not after botocore's minute per attempt; the retries
+# are the SDK's own (AWS_MAX_ATTEMPTS, AWS_RETRY_MODE) where set
 S3_CONFIG = {"connect_timeout": 10, "read_timeout": 120, "retries": {"max_attempts": 3, "mode": "standard"}}
 
 
@@ -68,8 +69,10 @@ def object_fs(url: str):
     from fsspec.config import conf
 
     protocol = object_protocol(url)
-    options = {"config_kwargs": S3_CONFIG} if protocol in ("s3", "s3a") and \
-        "config_kwargs" not in conf.get(protocol, {}) else {}
+    options = {}
+    if protocol in ("s3", "s3a") and "config_kwargs" not in conf.get(protocol, {}):
+        sdk = {"AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE"} & set(os.environ)
+        options = {"config_kwargs": {k: v for k, v in S3_CONFIG.items() if k != "retries" or not sdk}}
     try:
         return fsspec.core.url_to_fs(url, **options)
     except (ImportError, ValueError) as e:

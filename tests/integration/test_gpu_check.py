@@ -47,6 +47,7 @@ def test_the_machine_part_measures_versions_and_a_gemm(tmp_path):
     assert "| 1 | machine | ok |" in proc.stdout
 
 
+@pytest.mark.slow  # ~35 s; `make device-rehearsal` runs part 3 too, before any GPU call
 def test_the_main_job_part_trains_under_both_engines(tmp_path):
     """Part 3: configs/digits-vit.yaml through train.py under DeepSpeed and under FSDP2, each evaluated (~30 s)."""
     proc, out = run_check(tmp_path, timeout=300, PARTS="3")

@@ -35,6 +35,7 @@ def torchrun_node(node_rank, port, args, ranks=1):
     return command("torchrun", ranks, port, nnodes=2, node_rank=node_rank) + [str(a) for a in args]
 
 
+@pytest.mark.slow  # ~19 s: two nodes train by default in tests/integration/test_clusters.py and test_readme.py
 def test_two_torchrun_nodes_train_and_resume_as_one_node(node_args, one_node, tmp_path):
     """torchrun on each node; stopped at the checkpoint of step 6 and relaunched with --resume latest, the two
     nodes reproduce the single node's 12 losses (warm-up outlasts step 6, so stopping there changes no LR)."""

@@ -191,7 +191,7 @@ def test_a_store_that_cannot_serve_is_one_line_and_exit_2_before_training(s3, de
     args = list(map(str, debug_args)) + ["--model", "vit-debug", "--output_dir", str(tmp_path / "run"),
                                          "--sync_to", "s3://runs/x"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               AWS_ENDPOINT_URL=f"http://127.0.0.1:{free_port()}")
+               AWS_ENDPOINT_URL=f"http://127.0.0.1:{free_port()}", AWS_MAX_ATTEMPTS="1")  # the SDK's retries: none
     proc = subprocess.run([sys.executable, "train.py", *args], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
