@@ -108,27 +108,20 @@ def worker() -> dict:
         results["deepspeed as wrapped"] = f"{type(e).__name__}: {e}"
     from models.blocks import find_blocks
 
-    for block in find_blocks(theirs):  # the mask by keyword, as the wrapper takes it
+    class KeywordMask(torch.nn.Module):
+        """ViTLayer calls `attention(hidden_states, attention_mask)`; the wrapper takes the mask by keyword."""
+
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, hidden_states, attention_mask=None, **kwargs):
+            return self.inner(hidden_states, attention_mask=attention_mask, **kwargs)
+
+    for block in find_blocks(theirs):
         block.module.attention = KeywordMask(block.module.attention)
     results["deepspeed (UlyssesSPViTAttention, mask by keyword)"] = compare(*step(theirs), ["mean", "sum"])
     return results
-
-
-class KeywordMask:
-    """ViTLayer calls `attention(hidden_states, attention_mask)`; UlyssesSPViTAttention takes the mask by keyword."""
-
-    def __new__(cls, wrapped):
-        import torch
-
-        class Shim(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.inner = wrapped
-
-            def forward(self, hidden_states, attention_mask=None, **kwargs):
-                return self.inner(hidden_states, attention_mask=attention_mask, **kwargs)
-
-        return Shim()
 
 
 def report(results: dict, env: dict) -> str:

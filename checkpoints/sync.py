@@ -19,6 +19,7 @@ import os
 import threading
 import time
 
+from checkpoints.manager import PARTIAL_SUFFIX, complete_checkpoints, damaged
 from config import ConfigError
 from data.shards import describe_object_error, object_fs, object_protocol
 from engine.base import STATE_FILE
@@ -131,8 +132,6 @@ class Mirror:
     def download(self, ckpt_dir: str, tag: str, log=print):
         """Checkpoint `tag` into `ckpt_dir/tag` by way of `tag.partial`, every file's size checked against its
         train_state.json; then the local `latest`."""
-        from checkpoints.manager import PARTIAL_SUFFIX, damaged
-
         began = time.perf_counter()
         partial = os.path.join(ckpt_dir, tag + PARTIAL_SUFFIX)
         os.makedirs(partial, exist_ok=True)
@@ -161,8 +160,6 @@ def restore(mirror: Mirror, ckpt_dir: str, rank: int, log=print) -> str | None:
     """Before `--resume latest` looks in `ckpt_dir`: the remote latest checkpoint, when it is newer than every
     local complete one, downloaded by rank 0 while the other ranks wait for it (no process group yet: they watch for
     the rename that makes it complete). The tag fetched, or None."""
-    from checkpoints.manager import complete_checkpoints
-
     tag = mirror.remote_latest()
     local = complete_checkpoints(ckpt_dir)
     if tag is None or (local and local[-1][0] >= int(tag[4:])):

@@ -10,7 +10,7 @@ DIR --resume latest ...`: node.sh reads the master address, port, node rank and 
 variables that system sets (launch/cluster_env.py) and starts torchrun, deepspeed or accelerate; `--resume latest`
 continues from the newest complete checkpoint in DIR when the system restarts the job (SkyPilot's managed-job
 recovery, a Kubernetes restart, Slurm's requeue), so DIR must outlive a node: a bucket mount, a shared volume.
-Each description is checked against its system's schema before it is written (tests/integration/test_clusters.py
+Each description is checked against its system's schema before it is written (tests/unit/test_cluster_descriptions.py
 holds the checked-in examples in launch/examples/ to what this writes). docs/clusters.md: what each one assumes.
 """
 import argparse

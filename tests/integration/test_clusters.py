@@ -29,11 +29,8 @@ def one_node(stage_runs):
 
 def describe(target, out, node_args, *options):
     """The target's description for 2 nodes of 1 process, the debug run's keys after --, parsed."""
-    launcher = node_args[:node_args.index("--")] if "--" in node_args else []
-    keys = node_args[node_args.index("--") + 1:] if "--" in node_args else node_args
     args = cluster.parse(["--target", target, "--nodes", "2", "--gpus_per_node", "1", "--config",
-                          "configs/digits-vit.yaml", "--output_dir", str(out), *launcher, *options, "--",
-                          *map(str, keys)])
+                          "configs/digits-vit.yaml", "--output_dir", str(out), *options, "--", *map(str, node_args)])
     text = cluster.describe(args)
     return text if target == "slurm" else yaml.safe_load(text)
 
@@ -49,20 +46,20 @@ def free(port: int) -> bool:
 
 def nodes(target, out, node_args, launcher="torchrun"):
     """(each node's command, each node's variables) as the target's system would start them."""
-    node_args = ["--launcher", launcher, "--", *node_args]
     if target == "skypilot":  # `run` in the workdir, with the addresses, rank and GPUs SkyPilot sets
-        run = describe(target, out, node_args)["run"]
+        run = describe(target, out, node_args, "--launcher", launcher)["run"]
         task = next(f"sky-loopback-{i}" for i in range(1000) if free(
             cluster_env.PORT_BASE + zlib.crc32(f"sky-loopback-{i}".encode()) % cluster_env.PORT_SPAN))
         env = {"SKYPILOT_NODE_IPS": "127.0.0.1\n127.0.0.2\n", "SKYPILOT_NUM_NODES": "2",
                "SKYPILOT_NUM_GPUS_PER_NODE": "0", "SKYPILOT_TASK_ID": task}
         return [["bash", "-c", run]] * 2, [dict(env, SKYPILOT_NODE_RANK=str(r)) for r in (0, 1)]
     if target == "kubeflow":  # the trainer's command, with the torch runtime's PET_* variables
-        command = describe(target, out, node_args, "--workdir", REPO)["spec"]["trainer"]["command"]
+        command = describe(target, out, node_args, "--launcher", launcher, "--workdir", REPO)["spec"]["trainer"][
+            "command"]
         env = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_MASTER_ADDR": "127.0.0.1",
                "PET_MASTER_PORT": str(free_port())}
         return [command] * 2, [dict(env, PET_NODE_RANK=str(r)) for r in (0, 1)]
-    script = describe(target, out, node_args)  # the sbatch script's srun line, as srun runs it on each node
+    script = describe(target, out, node_args, "--launcher", launcher)  # its srun line, as srun runs it on each node
     line = next(line for line in script.splitlines() if line.startswith("srun "))
     command = shlex.split(line.removesuffix(" &"))[2:]  # in the background, for the time-limit trap
     port = free_port()
