@@ -158,14 +158,22 @@ def _fit_two_term(n: np.ndarray, d: np.ndarray, err: np.ndarray) -> Fit:
 
 def fit_frontier(c: np.ndarray, err: np.ndarray) -> np.ndarray:
     """(a, b, c) of E = a C^-b + c, in C's own units."""
-    f = _fit_frontier(c, err)
+    return frontier_params(_fit_frontier(c, err))
+
+
+def frontier_params(f: Fit) -> np.ndarray:
+    """A frontier fit's (a, b, c) in C's own units."""
     a, b, cc = f.x
     return np.array([a * f.scales[0] ** b, b, cc])
 
 
 def fit_two_term(n: np.ndarray, d: np.ndarray, err: np.ndarray) -> np.ndarray:
     """(e, A, alpha, B, beta) of E = e + A/N^alpha + B/D^beta, in N's and D's own units."""
-    f = _fit_two_term(n, d, err)
+    return two_term_params(_fit_two_term(n, d, err))
+
+
+def two_term_params(f: Fit) -> np.ndarray:
+    """A two-term fit's (e, A, alpha, B, beta) in N's and D's own units."""
     e, a, al, b, be = f.x
     return np.array([e, a * f.scales[0] ** al, al, b * f.scales[1] ** be, be])
 
@@ -293,7 +301,7 @@ def held_out_two_term(points: list, noise: tuple) -> dict:
     fit = _fit_two_term(n, d, e)
     predicted = fit.interval((held["params"], held["images"]), noise)
     said, why = verdict(fit, noise, predicted, held["error"])
-    params = fit_two_term(n, d, e)
+    params = two_term_params(fit)
     return {"params": params.tolist(), "held_out": held, "predicted": predicted[0], "interval": list(predicted[1:]),
             "fitted_points": fit.points, "at_bound": fit.at_bound, "verdict": said, "why": why,
             "n_term_share": (params[1] / held["params"] ** params[2]) / predicted[0]}
@@ -308,7 +316,7 @@ def held_out_frontier(points: list, noise: tuple) -> dict:
     fit = _fit_frontier(c, e)
     predicted = fit.interval((top["flops"],), noise)
     said, why = verdict(fit, noise, predicted, top["error"])
-    return {"params": fit_frontier(c, e).tolist(), "points": [(r["size"], r["steps"]) for r in frontier],
+    return {"params": frontier_params(fit).tolist(), "points": [(r["size"], r["steps"]) for r in frontier],
             "held_out": top, "predicted": predicted[0], "interval": list(predicted[1:]), "fitted_points": fit.points,
             "at_bound": fit.at_bound, "verdict": said, "why": why}
 
@@ -356,7 +364,8 @@ def analyse(runs: list) -> dict:
     points = points_of(runs)
     noise = seed_noise(points)
     inputs = tuple(np.array([r[k] for r in points], dtype=float) for k in ("params", "images", "error"))
-    everything, degenerate = fit_two_term(*inputs), _fit_two_term(*inputs).at_bound
+    whole = _fit_two_term(*inputs)
+    everything, degenerate = two_term_params(whole), whole.at_bound
     k = statistics.median(3 * r["forward_flops_per_image"] / r["params"] for r in runs)
     budget = 10 * max(r["flops"] for r in runs)
     n_opt, d_opt = compute_optimal(everything, budget, k)
