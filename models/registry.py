@@ -302,6 +302,52 @@ def registry_processor(name: str, image_size: int, segmentation: bool = False):
                                 image_std=list(std))
 
 
+def _side(config) -> int:
+    size = config.image_size
+    return size if isinstance(size, int) else size[0]
+
+
+def resample_position_embeddings(table: torch.Tensor, side: int) -> torch.Tensor:
+    """A ViT's (1, 1 + n*n, dim) position embeddings (the class token's first) for a side x side grid of patches:
+    the grid resized bicubically (align_corners False, as transformers' `interpolate_pos_encoding` and MAE's and
+    DeiT's fine-tuning code do), the class token's entry kept."""
+    old = round((table.shape[1] - 1) ** 0.5)
+    if old * old != table.shape[1] - 1:
+        raise ValueError(f"position embeddings of {table.shape[1] - 1} patches are not a square grid")
+    if old == side:
+        return table
+    dim = table.shape[-1]
+    grid = table[:, 1:].float().reshape(1, old, old, dim).permute(0, 3, 1, 2)
+    grid = torch.nn.functional.interpolate(grid, size=(side, side), mode="bicubic", align_corners=False)
+    return torch.cat([table[:, :1].float(), grid.permute(0, 2, 3, 1).reshape(1, side * side, dim)],
+                     dim=1).to(table.dtype)
+
+
+def resampled_weights(name: str, side: int) -> dict:
+    """A pretrained ViT's weights (a local directory, or a hub id's cached copy; safetensors) with every position
+    embedding table resampled to side x side patches: what transformers loads into a model built at the new image
+    size (under ZeRO-3 too, partitioned as it loads)."""
+    import glob
+
+    from safetensors.torch import load_file
+
+    folder = name if os.path.isdir(name) else None
+    if folder is None:
+        from huggingface_hub import snapshot_download
+
+        folder = snapshot_download(name, local_files_only=True)
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise ValueError(f"model '{name}': fine-tuning at another image size reads its safetensors weights, and "
+                         f"{folder} holds none (convert it with save_pretrained)")
+    weights = {}
+    for file in files:
+        weights.update(load_file(file))
+    for key in [k for k in weights if k.endswith("embeddings.position_embeddings")]:
+        weights[key] = resample_position_embeddings(weights[key], side)
+    return weights
+
+
 def build_model(name: str, num_labels: int, image_size: int, patch_size: int = 0, class_names=None, seed: int = 0,
                 gathered=None, partitioned=None, drop_path: float = 0.0, log=None):
     """(model, image_processor). Registry names: initial weights from `seed` alone (`init_weights`); local
@@ -325,7 +371,17 @@ def build_model(name: str, num_labels: int, image_size: int, patch_size: int = 0
         if before.num_labels != num_labels:  # loaded with its own head, which is then replaced
             load_config = copy.deepcopy(config)
             load_config.update(dict(id2label=before.id2label, label2id=before.label2id))
-        model = AutoModelForImageClassification.from_pretrained(name, config=load_config, dtype=torch.float32)
+        weights = {}
+        if before.model_type == "vit" and _side(before) != _side(config):  # fine-tuning at another resolution
+            weights = dict(state_dict=resampled_weights(name, _side(config) // config.patch_size))
+            if log:
+                log(f"model: {name} was trained at {_side(before)}px; its position embeddings are resampled "
+                    f"(bicubic) to {_side(config)}px's {_side(config) // config.patch_size}x"
+                    f"{_side(config) // config.patch_size} patches")
+        if weights:
+            model = ViTForImageClassification.from_pretrained(None, config=load_config, dtype=torch.float32, **weights)
+        else:
+            model = AutoModelForImageClassification.from_pretrained(name, config=load_config, dtype=torch.float32)
         if before.num_labels != num_labels or backbone:
             old = model.get_submodule(HEAD)
             with (partitioned or contextlib.nullcontext)():  # under ZeRO-3, created partitioned

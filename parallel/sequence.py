@@ -16,7 +16,9 @@ Plugged into a Hugging Face ViT without forking it:
 
 MAE (ViTMAEForPreTraining): its encoder is split the same way over the patches its masking keeps (the embeddings
 return them with the mask and the order to restore, passed on whole); its decoder runs on the whole sequence, the
-same on every rank of the group, as the classifier's head does.
+same on every rank of the group, as the classifier's head does. SimMIM on a ViT (ViTForMaskedImageModeling): the
+embeddings put the mask token in place of the masked patches before the split, and its one-layer decoder runs on
+the whole feature map after the gather, as a classifier's head does.
 
 Every rank of a group computes the same loss; its backward sums the group's gradients of each token, so the
 engines' gradient average over all ranks is the data-parallel average (their sum over a group is sp_size x the
@@ -31,7 +33,7 @@ import compat
 
 ATTENTION = "sequence_parallel"  # the name of the attention function in transformers' AttentionInterface
 MODEL_TYPES = ("vit", "vit_mae")  # models whose every block attends globally over one sequence with a CLS token
-TASKS = ("classification", "mae")
+TASKS = ("classification", "mae", "simmim")
 BACKBONE = "vit."  # the blocks split: the backbone's (ViT's and ViTMAE's base_model_prefix); MAE's decoder runs whole
 
 
@@ -72,7 +74,7 @@ def check(model_config, sp_size: int, world_size: int, tp_size: int = 1, task: s
         return "sp_size > 1 with tp_size > 1: sequence and tensor parallelism do not compose here yet; use one"
     if task not in TASKS:
         return (f"sp_size > 1 with task {task}: sequence parallelism splits the ViTs of {' and '.join(TASKS)} so far "
-                f"(SimMIM's masked tokens and segmentation's windowed backbones are not split)")
+                f"(segmentation's backbones are windowed or pyramidal)")
     kind = getattr(model_config, "model_type", "?")
     if kind not in MODEL_TYPES:
         return (f"sp_size > 1 with a {kind} model: sequence parallelism splits models whose every block attends "

@@ -48,7 +48,9 @@ def test_recipe_keys_and_patterns(name):
 def test_gpu_recipe_fits_its_node(name):
     """The planner's verdict for one node of 8 x 80 GB, which the recipes name."""
     keys = recipe(name)
-    model = keys["model"] if "/" not in keys["model"] else "vit-large"  # a pretrained directory: its shape
+    model = keys["model"]  # a pretrained directory: the registry model of its shape
+    if "/" in model:
+        model = "vit-huge" if "vit-huge" in model else "vit-large"
     proc = run_plan("--config", f"configs/{name}", "--model", model, "--world_size", 8, "--ranks_per_node", 8,
                     "--device", "a100-80gb", "--json")
     assert proc.returncode == 0, proc.stderr
@@ -77,10 +79,12 @@ def test_recipe_runs_shrunk(name, digits, pretrained, request, tmp_path):
         shards, labels = seg_shards(request.getfixturevalue("digits_seg")), 11
     else:
         shards, labels = ["--train_shards", digits["train"], "--val_shards", digits["val"]], 10
-    masks = ["--mask_patch_size", 4] if task == "simmim" else []  # 16 px: four blocks a side
+    extra = ["--mask_patch_size", 4] if task == "simmim" else []  # 16 px: four blocks a side
+    if keys.get("sp_size", 1) > 1:  # a node's sequence group: the two ranks here
+        extra += ["--sp_size", 2]
     out = tmp_path / "run"
     launch(["--config", f"configs/{name}", "--model", model, "--num_labels", labels, "--image_size", size, *shards,
-            *masks, "--micro_batch_size", 8, "--max_steps", 2, "--warmup_steps", 1, "--eval_every", 0,
+            *extra, "--micro_batch_size", 8, "--max_steps", 2, "--warmup_steps", 1, "--eval_every", 0,
             "--save_every", 0, "--num_workers", 0, "--shuffle_buffer", 100, "--progress", "false",
             "--output_dir", out], timeout=180)  # 2 ranks
     records = read_metrics(out)

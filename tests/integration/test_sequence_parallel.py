@@ -154,6 +154,57 @@ def test_mae_split_over_two_ranks_trains_as_one_rank_does(engine, debug_args, tm
 
 
 @pytest.mark.slow
+def test_simmim_split_over_two_ranks_trains_as_one_rank_does(debug_args, tmp_path):
+    """SimMIM on a ViT with its tokens split after the mask token is put in place (65 with the CLS token: odd,
+    padded) and its decoder whole on each rank: 8 steps under FSDP2 give one rank's losses and gradient norms
+    within fp32 reduction order and its val loss; the exported model computes one rank's loss."""
+    from transformers import ViTForMaskedImageModeling
+
+    args = debug_args + ["--model", "vit-debug", "--task", "simmim", "--mask_ratio", "0.6", "--mask_patch_size", "4",
+                         "--max_steps", "8", "--eval_every", "8", "--save_every", "0", "--drop_path", "0.1",
+                         "--engine", "fsdp2"]
+    one, split = tmp_path / "one", tmp_path / "split"
+    launch(args + ["--output_dir", one], nproc=1)
+    proc = launch(args + ["--sp_size", "2", "--output_dir", split])
+    assert "= 1 data x 2 sequence parallel" in proc.stdout
+    expected, got = read_metrics(one), read_metrics(split)
+    train = [(a, b) for a, b in zip(expected, got) if "loss" in a]
+    assert [b["step"] for _, b in train] == list(range(1, 9))
+    for a, b in train:
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), a["step"]
+    assert got[-1]["val_loss"] == pytest.approx(expected[-1]["val_loss"], rel=1e-5)
+    images, masked = torch.randn(4, 3, 16, 16), torch.rand(4, 64) < 0.6
+    with torch.no_grad():
+        losses = [ViTForMaskedImageModeling.from_pretrained(d / "hf_model").eval()(
+            pixel_values=images, bool_masked_pos=masked).loss for d in (one, split)]
+    assert losses[1].item() == pytest.approx(losses[0].item(), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_fine_tuned_at_twice_its_resolution_splits_as_one_rank_trains(debug_args, tmp_path):
+    """vit-debug saved at 16 px and fine-tuned at 32 px (257 tokens: its position embeddings resampled as it loads,
+    created partitioned under ZeRO-3): 4 steps with the tokens split over two ranks under ZeRO-3 give one rank's
+    losses and gradient norms within fp32 reduction order."""
+    from models import build_model
+
+    model, processor = build_model("vit-debug", 10, 16)
+    model.save_pretrained(tmp_path / "pretrained")
+    processor.save_pretrained(tmp_path / "pretrained")
+    args = debug_args + ["--model", tmp_path / "pretrained", "--image_size", "32", "--max_steps", "4",
+                         "--eval_every", "0", "--save_every", "0", "--engine", "deepspeed", "--zero_stage", "3"]
+    one, split = tmp_path / "one", tmp_path / "split"
+    proc = launch(args + ["--output_dir", one], nproc=1)
+    assert "its position embeddings are resampled (bicubic) to 32px's 16x16 patches" in proc.stdout
+    launch(args + ["--sp_size", "2", "--output_dir", split])
+    expected, got = read_metrics(one), read_metrics(split)
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    for a, b in zip(expected, got):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), a["step"]
+
+
+@pytest.mark.slow
 def test_ddp_and_compiled_blocks_split_as_one_rank_trains(debug_args, tmp_path):
     """sp_size 2 under the DDP engine, and under FSDP2 with every block compiled (the attention's all-to-alls
     inside the compiled block): 6 steps give one rank's losses and gradient norms within fp32 reduction order,

@@ -67,6 +67,31 @@ def test_local_directory_with_new_head(tmp_path):
     assert loaded_processor.size == {"height": 16, "width": 16}
 
 
+def test_a_checkpoint_fine_tuned_at_another_resolution_has_its_position_embeddings_resampled(tmp_path):
+    """A ViT saved at 16 px (8x8 patches) and loaded at 32 px (16x16): its other weights as saved, and its logits
+    those of transformers' own `interpolate_pos_encoding` forward of the saved model at 32 px; a backbone without
+    a classifier (train.py's MAE encoder/) too; at the saved size the table is left as it is."""
+    model, processor = build_model("vit-debug", 10, 16)
+    model.eval().save_pretrained(tmp_path / "classifier")
+    model.vit.save_pretrained(tmp_path / "backbone")
+    said = []
+    loaded, loaded_processor = build_model(str(tmp_path / "classifier"), 10, 32, log=said.append)
+    assert loaded.vit.embeddings.position_embeddings.shape == (1, 257, 32) and loaded.config.image_size == 32
+    assert "trained at 16px; its position embeddings are resampled (bicubic) to 32px's 16x16 patches" in said[0]
+    saved = model.state_dict()
+    assert all(v.equal(saved[k]) for k, v in loaded.state_dict().items() if "position_embeddings" not in k)
+    assert loaded_processor.size == {"height": 32, "width": 32}
+    images = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        expected = model(images, interpolate_pos_encoding=True).logits
+        assert torch.allclose(loaded.eval()(images).logits, expected, atol=1e-6)
+        backbone, _ = build_model(str(tmp_path / "backbone"), 3, 32)
+        assert torch.allclose(backbone.eval().vit(images).last_hidden_state,
+                              model.vit(images, interpolate_pos_encoding=True).last_hidden_state, atol=1e-6)
+    same, _ = build_model(str(tmp_path / "classifier"), 10, 16)
+    assert same.vit.embeddings.position_embeddings.equal(model.vit.embeddings.position_embeddings)
+
+
 def test_unknown_name():
     with pytest.raises(ValueError, match="unknown model 'vit-colossal'"):
         build_model("vit-colossal", 10, 16)

@@ -11,7 +11,8 @@ from parallel import sequence
     ("vit-digits", 1, 3, 1, "mae", None),  # sp_size 1: nothing to check
     ("vit-digits", 3, 4, 1, "classification", "sp_size 3 does not divide the world size (4)"),
     ("vit-digits", 2, 4, 2, "classification", "with tp_size > 1"),
-    ("vit-digits", 2, 2, 1, "simmim", "with task simmim"),
+    ("vit-digits", 2, 2, 1, "simmim", None),  # SimMIM on a ViT: the mask token in place before the split
+    ("vit-digits", 2, 2, 1, "segmentation", "with task segmentation"),
     ("vit-digits", 2, 2, 1, "mae", None),  # MAE: its encoder split, its decoder whole
     ("swin-debug", 2, 2, 1, "classification", "with a swin model"),
     ("vit-digits", 8, 8, 1, "classification", "does not divide the model's 4 attention heads"),
