@@ -341,7 +341,7 @@ def resume(run: Run, model: Model) -> Start:
             print(f"resumed from {path} at step {start.step}" + (
                 "" if start.data_state else f"; data order restarts ({why_not})"))
     # the EMA of the weights: each rank averages what it holds of them (under ZeRO-3 its partition)
-    start.ema = EMA(model.engine.module, cfg.ema_decay) if cfg.ema_decay else None
+    start.ema = EMA(model.engine.module, cfg.ema_decay, cfg.pp_size) if cfg.ema_decay else None
     if start.ema and resume and not start.ema.load(resume.path) and rank == 0:
         print(f"ema: {resume.path} holds no EMA; it starts from the resumed weights")
     return start
@@ -385,12 +385,13 @@ def open_log(run: Run, model: Model, start: Start, data: Data) -> RunLog:
     engine = type(model.engine)
     if run.rank == 0:
         sharding = engine.describe(cfg, world_size, model.engine.module)
+        model_parallel = [(cfg.tp_size, "tensor parallel"), (cfg.sp_size, "sequence parallel"),
+                          (cfg.pp_size, "pipeline stages")]
         print(f"{cfg.model}: {model.n_params / 1e6:.2f}M params | {sharding} | {model.engine.optimizer_name} | "
               f"{model.precision} | world size {world_size} ({world_size // local_world} node(s) x {local_world}, "
               f"{run.device.type}, {torch.get_num_threads()} threads per rank)"
-              + (f" = {run.data_ranks} data x {cfg.tp_size} tensor parallel" if cfg.tp_size > 1 else "")
-              + (f" = {run.data_ranks} data x {cfg.sp_size} sequence parallel" if cfg.sp_size > 1 else "")
-              + (f" = {run.data_ranks} data x {cfg.pp_size} pipeline stages" if cfg.pp_size > 1 else "") +
+              + (f" = {run.data_ranks} data" if cfg.model_parallel > 1 else "")
+              + "".join(f" x {size} {what}" for size, what in model_parallel if size > 1) +
               f" | global batch {images_per_step(cfg, world_size)} = {cfg.micro_batch_size} micro x "
               f"{cfg.grad_accum_steps} accum x {run.data_ranks} ranks | steps {start.step}->"
               f"{cfg.max_steps}" + (f" ({cfg.epochs:g} epochs)" if cfg.epochs else "") + f" | data {cfg.data_mode}"

@@ -3,6 +3,7 @@
 
     .venv/bin/python -m benchmarks.sequence_bench                 # ~15 min on 2 cores
     .venv/bin/python -m benchmarks.sequence_bench --report_only   # the report from runs.jsonl
+    .venv/bin/python -m benchmarks.sequence_bench --share         # ~5 min: the split's collectives' share
 
 Each job is the benchmark worker (benchmarks/bench_worker.py) on 2 ranks: ViT-S/8 at 256 px (1,025 tokens), 2
 profiled, 1 warm-up and 3 timed steps. Per engine three configurations: `sp_size 1` at one image per rank (2
@@ -10,7 +11,11 @@ images per step), `sp_size 2` at two images per sequence group (the same 2 image
 `sp_size 2` at one image (one image per step: each rank holds half of one image's tokens, what a split buys
 when one image per GPU is the floor). 5 repeats, the configurations in a rotated order each repeat; ratios are
 paired within a repeat (the geometric mean of the per-repeat ratios, 95% bootstrap intervals: benchmarks/report.py).
-Writes benchmarks/results/sequence/: runs.jsonl, environment.json, report.md.
+`--share`: the split's own collectives (the attention's all-to-alls and the gather before the final norm) as a
+share of a step, `sp_size 2` at two images under each engine, 5 repeats: the worker traces one timed step
+(BENCH_TRACE_STEP, the profiler's CPU timeline: a traced step runs slower than an untraced one) and the share is
+the time inside those operators over the step's, the mean of the two ranks.
+Writes benchmarks/results/sequence/: runs.jsonl, share.jsonl, environment.json, report.md.
 """
 import argparse
 import json
@@ -76,6 +81,87 @@ def run(out: str, repeats: int):
     return (time.monotonic() - start) / 60
 
 
+SHARE_STEP = 5  # a timed step: 2 profiled and 1 warm-up come first
+# the operators of the split's collectives in the profiler's timeline: torch's functional collectives, which the
+# split alone uses (compat.all_to_all_autograd, all_gather_autograd; FSDP2 and DeepSpeed call c10d's directly):
+# the all-to-alls, the all-gather, their backward's, and the waits on them, where a rank waits for the other
+COLLECTIVES = ("c10d_functional",)
+
+
+def collective_share(trace: str, step: int) -> float:
+    """The share of traced step `step` spent inside the split's collectives (`COLLECTIVES`), on the thread that
+    ran the step: the union of those operators' spans (nested ones counted once) over the step's span."""
+    data = json.load(open(trace))
+    events = [e for e in (data["traceEvents"] if isinstance(data, dict) else data) if e.get("ph") == "X"]
+    whole = next(e for e in events if e["name"] == f"bench/step{step}")
+    lo, hi = whole["ts"], whole["ts"] + whole["dur"]
+    spans = sorted((e["ts"], min(hi, e["ts"] + e["dur"])) for e in events
+                   if e.get("tid") == whole.get("tid") and lo <= e["ts"] < hi
+                   and any(k in e["name"].lower() for k in COLLECTIVES))
+    covered, end = 0.0, lo
+    for start, stop in spans:
+        if stop > end:
+            covered += stop - max(start, end)
+            end = stop
+    return covered / (hi - lo)
+
+
+def run_share(out: str, repeats: int):
+    """`--share`'s jobs into share.jsonl."""
+    import glob
+    import tempfile
+
+    path = os.path.join(out, "share.jsonl")
+    open(path, "w").close()
+    for repeat in range(repeats):
+        for engine, label in ((FSDP2, "FSDP2"), (DEEPSPEED, "ZeRO-3"))[::1 if repeat % 2 == 0 else -1]:
+            with tempfile.TemporaryDirectory() as traces:
+                os.environ.update(BENCH_TRACE_STEP=str(SHARE_STEP), BENCH_TRACE_DIR=traces)
+                try:
+                    result, tail = run_worker(spec(engine, 2, 2), 2, 1, 900)
+                finally:
+                    del os.environ["BENCH_TRACE_STEP"], os.environ["BENCH_TRACE_DIR"]
+                shares = [collective_share(f, SHARE_STEP) for f in sorted(glob.glob(os.path.join(traces, f"*-step{SHARE_STEP}_rank*.json")))]
+            record = dict(run=f"{label} sp 2 @ 2", engine=engine, repeat=repeat, shares=shares,
+                          **({"error": tail} if tail or len(shares) != 2 else {}))
+            with open(path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            print(f"repeat {repeat} {label}: " + (", ".join(f"{x:.1%}" for x in shares) if "error" not in record
+                                                  else "FAILED"), flush=True)
+
+
+def mean_interval(values: list) -> tuple[float, float, float]:
+    """(mean, low, high): the mean with its 95% Student-t interval."""
+    from scipy.stats import t
+
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, float("nan"), float("nan")
+    half = t.ppf(0.975, len(values) - 1) * statistics.stdev(values) / len(values) ** 0.5
+    return mean, mean - half, mean + half
+
+
+def share_lines(out: str) -> list:
+    path = os.path.join(out, "share.jsonl")
+    if not os.path.exists(path):
+        return ["The split's collectives' share of the step is not measured here (`--share` measures it)."]
+    records = [json.loads(line) for line in open(path) if line.strip()]
+    lines = ["The split's own collectives (the attention's all-to-alls, the gather before the final norm, their "
+             "backward's and the waits on them) as a share of a traced step, `sp_size 2` at two images per step "
+             "(`--share`: the profiler's timeline of one timed step per job, the mean of the two ranks; "
+             f"{len({r['repeat'] for r in records})} repeats):", "",
+             "| engine | share of the step (mean, 95% t interval) | per repeat |", "|---|---|---|"]
+    for label in ("FSDP2", "ZeRO-3"):
+        shares = [sum(r["shares"]) / len(r["shares"]) for r in records if r["run"] == f"{label} sp 2 @ 2"
+                  and "error" not in r]
+        if not shares:
+            lines.append(f"| {label} | not measured | |")
+            continue
+        mean, low, high = mean_interval(shares)
+        lines.append(f"| {label} | {mean:.1%} [{low:.1%}, {high:.1%}] | {', '.join(f'{x:.1%}' for x in shares)} |")
+    return lines
+
+
 def report(out: str, minutes: float | None = None):
     results = [json.loads(line) for line in open(os.path.join(out, "runs.jsonl")) if line.strip()]
     env = json.load(open(os.path.join(out, "environment.json")))
@@ -108,7 +194,7 @@ def report(out: str, minutes: float | None = None):
                             (f"{label} sp 2 @ 1", "one image per step, split")):
             lines.append(f"| {label} | {what} | {fmt_ratio(speed_ratio(ok, LABEL, other, base))} | "
                          f"{fmt_ratio(peak_ratio(ok, LABEL, other, base))} |")
-    lines += ["", "The all-to-alls' share of the step is not measured here (the worker times whole steps)."]
+    lines += [""] + share_lines(out)
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     return os.path.join(out, "report.md")
@@ -119,8 +205,11 @@ def main(argv=None):
     p.add_argument("--out", default=OUT)
     p.add_argument("--repeats", type=int, default=REPEATS)
     p.add_argument("--report_only", action="store_true")
+    p.add_argument("--share", action="store_true", help="measure the split's collectives' share of a step alone")
     a = p.parse_args(argv)
-    minutes = None if a.report_only else run(a.out, a.repeats)
+    if a.share:
+        run_share(a.out, a.repeats)
+    minutes = None if a.report_only or a.share else run(a.out, a.repeats)
     print(f"written: {report(a.out, minutes)}")
 
 

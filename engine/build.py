@@ -37,7 +37,7 @@ def build_training_model(cfg: Config, engine_config: dict, class_names=None, log
                                   mask_ratio=cfg.mask_ratio)
     model, processor = engine_class(cfg.engine).build_model(build, cfg, engine_config)
     if cfg.sp_size > 1:  # the tokens split over each group of sp_size ranks (parallel/sequence.py)
-        sequence.apply(model, cfg.sp_size, dist.get_rank(), dist.get_world_size())
+        sequence.apply(model, cfg.sp_size, dist.get_rank(), dist.get_world_size(), cfg.tp_size)
     if cfg.freeze:
         frozen = freeze(model, cfg.freeze)
         if log:

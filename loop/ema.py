@@ -5,8 +5,9 @@ so no rank holds a whole extra copy of the model; under ZeRO-1/2, where every ra
 whole tensors. The average is kept in fp32 whatever the training precision.
 
 A checkpoint holds it as `ema/rank<NNNNN>.pt`, one file per rank under ZeRO-3 and FSDP2 (HSDP: the first replica's
-ranks), rank 0's alone otherwise; each file records where its pieces sit in the flattened parameters, so that a run
-on another number of ranks or another ZeRO stage reassembles its own parts from them.
+ranks), rank 0's alone otherwise (a pipeline: the first pipeline's ranks, one per stage); each file records where
+its pieces sit in the flattened parameters, by the parameters' names in the whole model, so that a run on another
+number of ranks, another ZeRO stage or another number of pipeline stages reassembles its own parts from them.
 """
 import contextlib
 import os
@@ -20,8 +21,11 @@ EMA_DIR = "ema"
 
 
 class EMA:
-    def __init__(self, model: torch.nn.Module, decay: float):
+    def __init__(self, model: torch.nn.Module, decay: float, stages: int = 1):
+        """`model`'s weights (under a pipeline: its stage's, under their whole-model names), `stages`: pp_size (the
+        first `stages` ranks, the first pipeline, hold every stage once)."""
         self.decay = decay
+        self.stages = stages
         self.params = dict(model.named_parameters())
         # ZeRO-3's partitions and FSDP2's shards: each rank holds and saves a part of every parameter
         self.partitioned = any(compat.is_zero3_partitioned(p) or compat.is_dtensor(p) for p in self.params.values())
@@ -52,7 +56,7 @@ class EMA:
     def save(self, checkpoint_dir: str):
         """This rank's part into `checkpoint_dir/ema/` (every rank calls it)."""
         rank = dist.get_rank()
-        if not self.partitioned and rank != 0:
+        if not self.partitioned and rank >= self.stages:  # whole weights: one copy of each stage's
             return
         # HSDP: the first replica's ranks hold every part once
         if self.partitioned and not all(compat.is_first_replica(p) for p in self.params.values() if compat.is_dtensor(p)):
@@ -71,6 +75,9 @@ class EMA:
         # memory-mapped: each parameter is reassembled from the files' pieces in turn
         files = [torch.load(os.path.join(folder, f), mmap=True, weights_only=True)["pieces"]
                  for f in sorted(os.listdir(folder)) if f.endswith(".pt")]
+        missing = [name for name in self.params if not any(name in pieces for pieces in files)]
+        if missing:
+            raise KeyError(f"{folder} holds no EMA of {len(missing)} of the model's weights, e.g. {missing[0]}")
         for name, p in self.params.items():
             local, offset = compat.local_weights(p)
             numel = compat.param_numel(p)
@@ -86,9 +93,12 @@ class EMA:
 
     @staticmethod
     def _gather(files, name: str, out: torch.Tensor, start: int):
-        """Fill `out` with elements [start, start + len(out)) of the flattened parameter `name` from the pieces."""
+        """Fill `out` with elements [start, start + len(out)) of the flattened parameter `name` from the pieces (a
+        pipeline's files hold their stage's weights alone)."""
         end = start + out.numel()
         for pieces in files:
+            if name not in pieces:
+                continue
             piece, at = pieces[name]
             piece = piece.reshape(-1)
             lo, hi = max(start, at), min(end, at + piece.numel())

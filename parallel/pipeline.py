@@ -166,9 +166,6 @@ def check(model_config, cfg, world_size: int) -> str | None:
     if cfg.replicate_degree > 1:
         return "pp_size > 1 with replicate_degree > 1: each stage is sharded over its data-parallel ranks (a " \
                "1-D shard group); use replicate_degree 1"
-    if cfg.ema_decay:
-        return "pp_size > 1 with ema_decay: the EMA's files place each rank's part of the flat weights, and a " \
-               "stage holds only its blocks; use ema_decay 0"
     return None
 
 

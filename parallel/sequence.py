@@ -42,18 +42,31 @@ def split_blocks(names) -> set:
     return {n for n in names if n.startswith(BACKBONE)}
 
 
+def layout(rank: int, sp_size: int, tp_size: int = 1) -> tuple[list[int], int]:
+    """(the ranks of `rank`'s sequence group, its index there). A model-parallel block of tp_size x sp_size
+    consecutive ranks reads one micro-batch; within it the tensor groups are consecutive (DeepSpeed's AutoTP:
+    parallel/tensor.py) and a sequence group takes one rank of each, the ranks of the same tensor rank, so that
+    the ranks of a tensor group hold the same tokens."""
+    block, within = divmod(rank, tp_size * sp_size)
+    index, tensor_rank = divmod(within, tp_size)
+    first = block * tp_size * sp_size + tensor_rank
+    return [first + j * tp_size for j in range(sp_size)], index
+
+
 class SequenceGroup:
     """This rank's sequence group and where the tokens of the current forward stand (set by the embedding hook)."""
 
-    def __init__(self, sp_size: int, rank: int, world_size: int):
+    def __init__(self, sp_size: int, rank: int, world_size: int, tp_size: int = 1):
         self.size = sp_size
-        self.index = rank % sp_size
         self.group = None
-        for first in range(0, world_size, sp_size):  # every rank creates every group, in the same order
-            ranks = list(range(first, first + sp_size))
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                self.group = group
+        mine, self.index = layout(rank, sp_size, tp_size)
+        # every rank creates every group, in the same order
+        for other in range(world_size):
+            ranks, index = layout(other, sp_size, tp_size)
+            if index == 0:
+                group = dist.new_group(ranks)
+                if ranks == mine:
+                    self.group = group
         self.tokens = 0  # the sequence's length before padding
         self.padded = 0  # its length padded to a multiple of size
 
@@ -68,10 +81,9 @@ def check(model_config, sp_size: int, world_size: int, tp_size: int = 1, task: s
     """One line for what sequence parallelism cannot do here (ConfigError's message), or None."""
     if sp_size == 1:
         return None
-    if world_size % sp_size:
-        return f"sp_size {sp_size} does not divide the world size ({world_size})"
-    if tp_size > 1:
-        return "sp_size > 1 with tp_size > 1: sequence and tensor parallelism do not compose here yet; use one"
+    if world_size % (sp_size * tp_size):
+        return (f"sp_size {sp_size} does not divide the world size ({world_size})" if tp_size == 1 else
+                f"sp_size {sp_size} x tp_size {tp_size} does not divide the world size ({world_size})")
     if task not in TASKS:
         return (f"sp_size > 1 with task {task}: sequence parallelism splits the ViTs of {' and '.join(TASKS)} so far "
                 f"(segmentation's backbones are windowed or pyramidal)")
@@ -81,8 +93,10 @@ def check(model_config, sp_size: int, world_size: int, tp_size: int = 1, task: s
                 f"over the whole sequence ({', '.join(MODEL_TYPES)}); Swin's windows and SegFormer's reduced "
                 f"attention are local")
     heads = model_config.num_attention_heads
-    if heads % sp_size:
-        return f"sp_size {sp_size} does not divide the model's {heads} attention heads (Ulysses splits the heads)"
+    if heads % (sp_size * tp_size):
+        return (f"sp_size {sp_size} does not divide the model's {heads} attention heads (Ulysses splits the heads)"
+                if tp_size == 1 else f"sp_size {sp_size} x tp_size {tp_size} does not divide the model's {heads} "
+                f"attention heads (each tensor rank's heads are split over its sequence group)")
     if getattr(model_config, "attention_probs_dropout_prob", 0.0):
         return ("sp_size > 1 with attention dropout: each rank would draw the dropout of its heads alone; set the "
                 "model's attention_probs_dropout_prob to 0")
@@ -143,13 +157,14 @@ def _gather(sp: SequenceGroup):
     return hook
 
 
-def apply(model: torch.nn.Module, sp_size: int, rank: int, world_size: int) -> SequenceGroup | None:
-    """Split `model`'s tokens over sequence groups of `sp_size` ranks (module docstring); None at sp_size 1."""
+def apply(model: torch.nn.Module, sp_size: int, rank: int, world_size: int, tp_size: int = 1) -> SequenceGroup | None:
+    """Split `model`'s tokens over sequence groups of `sp_size` ranks (module docstring; with tensor parallelism
+    `layout`'s groups); None at sp_size 1."""
     if sp_size == 1:
         return None
     from transformers import AttentionInterface
 
-    sp = SequenceGroup(sp_size, rank, world_size)
+    sp = SequenceGroup(sp_size, rank, world_size, tp_size)
     backbone = model.base_model  # ViTModel, ViTMAEModel: embeddings -> blocks -> layernorm (-> pooler)
     AttentionInterface.register(ATTENTION, attention(sp))
     model.config._attn_implementation = ATTENTION

@@ -121,6 +121,37 @@ def test_two_pipelines_of_two_stages_train_as_two_data_ranks(debug_args, tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("engine", ["fsdp2", "ddp"])
+def test_the_ema_of_two_stages_is_one_ranks_and_resumes_whole(debug_args, tmp_path, engine):
+    """ema_decay 0.9 on two stages against one rank without: the same val_ema_top1; each checkpoint's ema/ files
+    (a stage's weights each, FSDP2 shards or DDP's whole tensors) reassemble into one rank's EMA within fp32
+    reduction order; the two-stage checkpoint at step 4 resumed on one rank carries its EMA on to one rank's."""
+    from loop.ema import read_ema
+    from models import build_model
+
+    args = debug_args + ["--model", "vit-debug", "--engine", engine, "--max_steps", "8", "--eval_every", "8",
+                         "--save_every", "4", "--ema_decay", "0.9"]
+    one, pp, whole = tmp_path / "one", tmp_path / "pp", tmp_path / "whole"
+    launch(args + ["--output_dir", one], nproc=1)
+    launch(args + ["--pp_size", "2", "--output_dir", pp])
+    launch(args + ["--output_dir", whole, "--resume", pp / "checkpoints" / "step0000004"], nproc=1)
+    assert_close_steps(steps(pp), steps(one), 1, 8)
+    shapes = dict(build_model("vit-debug", 10, 16)[0].named_parameters())
+    for run, step in ((pp, 4), (pp, 8), (whole, 8)):
+        folder = run / "checkpoints" / f"step{step:07d}" / "ema"
+        if run == pp:
+            assert sorted(f.name for f in folder.iterdir()) == ["rank00000.pt", "rank00001.pt"]
+        got = read_ema(folder, shapes)
+        expected = read_ema(one / "checkpoints" / f"step{step:07d}" / "ema", shapes)
+        assert set(got) == set(expected) == set(shapes)
+        for name in shapes:  # atol: the key's bias, which no softmax sees, takes AdamW's steps on rounding noise
+            torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    expected = {r["step"]: r["val_ema_top1"] for r in read_metrics(one) if "val_ema_top1" in r}
+    for run in (pp, whole):
+        assert {r["step"]: r["val_ema_top1"] for r in read_metrics(run) if "val_ema_top1" in r} == expected, run
+
+
+@pytest.mark.slow
 def test_a_stage_killed_mid_run_ends_the_job_and_the_relaunch_resumes_exactly(debug_args, tmp_path):
     """kill -9 of rank 1 (the last stage) of a two-stage FSDP2 job under torchrun after its step-10 checkpoint:
     the job ends within seconds (rank 0 is not left waiting on a receive), and `--resume latest` goes on to the

@@ -98,6 +98,29 @@ def test_two_sequence_groups_train_as_two_data_ranks(debug_args, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 3])
+def test_tensor_and_sequence_parallel_on_four_ranks_train_as_one_rank(debug_args, tmp_path, stage):
+    """vit-digits (4 heads) on 4 ranks as tp_size 2 x sp_size 2 (AutoTP gives each tensor rank 2 heads, which its
+    sequence group splits again; one data rank) under ZeRO-1 and ZeRO-3: one rank's losses and gradient norms
+    within fp32 reduction order for 6 steps with stochastic depth, and its val top-1."""
+    args = debug_args + ["--model", "vit-digits", "--max_steps", "6", "--eval_every", "6", "--save_every", "0",
+                         "--drop_path", "0.1", "--engine", "deepspeed", "--zero_stage", str(stage)]
+    one, grid = tmp_path / "one", tmp_path / "grid"
+    launch(args + ["--output_dir", one], nproc=1)
+    proc = launch(args + ["--tp_size", "2", "--sp_size", "2", "--output_dir", grid], nproc=4)
+    assert "= 1 data x 2 tensor parallel x 2 sequence parallel | global batch 16 = 16 micro x 1 accum x 1 ranks" \
+        in proc.stdout, proc.stdout[-3000:]
+    expected, got = read_metrics(one), read_metrics(grid)
+    train = [(a, b) for a, b in zip(expected, got) if "loss" in a]
+    assert [b["step"] for _, b in train] == list(range(1, 7))
+    for a, b in train:
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), a["step"]
+    evals = [(a, b) for a, b in zip(expected, got) if "val_top1" in a]
+    assert evals and all(b["val_top1"] == a["val_top1"] for a, b in evals)
+
+
+@pytest.mark.slow
 def test_a_split_run_killed_mid_run_resumes_exactly(debug_args, tmp_path):
     """ZeRO-3 with sp_size 2 under DeepSpeed's launcher, killed with SIGKILL (the whole job) once its step-10
     checkpoint is complete: the relaunch with --resume latest resumes from the newest complete checkpoint and every

@@ -53,7 +53,6 @@ def test_the_pieces_keep_the_bubble_at_or_under_a_fifth(stages, micro, given, pi
     ("vit-debug", ["--pp_size", "4"], 4, "pp_size 4 is more stages than the model's 2 blocks"),
     ("vit-digits", ["--pp_microbatches", "5"], 2, "pp_microbatches 5 does not divide micro_batch_size 32"),
     ("vit-digits", ["--replicate_degree", "2"], 4, "with replicate_degree > 1"),
-    ("vit-digits", ["--ema_decay", "0.99"], 2, "with ema_decay"),
     ("vit-digits", ["--pp_split", "2,4"], 2, None),
     ("vit-digits", ["--pp_split", "2,2"], 2, "pp_split '2,2' gives 2 stages 4 blocks; the model has 6 blocks over "
                                              "pp_size 2 stages"),

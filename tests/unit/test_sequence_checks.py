@@ -10,7 +10,9 @@ from parallel import sequence
     ("vit-digits", 2, 2, 1, "classification", None),
     ("vit-digits", 1, 3, 1, "mae", None),  # sp_size 1: nothing to check
     ("vit-digits", 3, 4, 1, "classification", "sp_size 3 does not divide the world size (4)"),
-    ("vit-digits", 2, 4, 2, "classification", "with tp_size > 1"),
+    ("vit-digits", 2, 4, 2, "classification", None),  # 4 heads: 2 per tensor rank, 1 per sequence rank
+    ("vit-digits", 2, 6, 2, "classification", "sp_size 2 x tp_size 2 does not divide the world size (6)"),
+    ("vit-debug", 2, 4, 2, "classification", "sp_size 2 x tp_size 2 does not divide the model's 2 attention heads"),
     ("vit-digits", 2, 2, 1, "simmim", None),  # SimMIM on a ViT: the mask token in place before the split
     ("vit-digits", 2, 2, 1, "segmentation", "with task segmentation"),
     ("vit-digits", 2, 2, 1, "mae", None),  # MAE: its encoder split, its decoder whole
@@ -26,3 +28,15 @@ def test_attention_dropout_is_refused_where_ranks_would_draw_it_apart():
     config = model_config("vit-digits", 10, 16)
     config.attention_probs_dropout_prob = 0.1
     assert "attention dropout" in sequence.check(config, 2, 2)
+
+
+def test_a_sequence_group_takes_one_rank_of_each_tensor_group():
+    """8 ranks as 2 data x 2 sequence x 2 tensor: tensor groups are consecutive (AutoTP's), so a sequence group
+    holds the ranks of one tensor rank within a model-parallel block of 4; without tensor parallelism the groups
+    are consecutive."""
+    groups = {r: sequence.layout(r, 2, 2) for r in range(8)}
+    assert groups[0] == ([0, 2], 0) and groups[2] == ([0, 2], 1) and groups[3] == ([1, 3], 1)
+    assert groups[5] == ([5, 7], 0) and groups[6] == ([4, 6], 1)
+    assert {tuple(g) for g, _ in groups.values()} == {(0, 2), (1, 3), (4, 6), (5, 7)}
+    assert [sequence.layout(r, 4)[0] for r in (0, 5)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [sequence.layout(r, 4)[1] for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
