@@ -604,7 +604,7 @@ def sequence_line(doc: str) -> str:
     """docs/sequence_parallel.md: sp_size 2 against sp_size 1 on CPU (benchmarks.sequence_bench's runs), and the
     digits job split over two ranks against it on one (benchmarks/results/sequence/digits)."""
     from benchmarks.report import peak_ratio
-    from benchmarks.sequence_bench import LABEL
+    from benchmarks.sequence_bench import LABEL, mean_interval, shares
 
     folder = report_dir("sequence")
     results = [r for r in runs(folder) if "error" not in r]
@@ -616,6 +616,11 @@ def sequence_line(doc: str) -> str:
         half = peak_ratio(results, LABEL, f"{label} sp 2 @ 1", base)
         parts.append(f"under {label}, the same two images per step {fmt_ratio(same[0])}× the images/s at "
                      f"{fmt_ratio(same[1])}× the peak, one image split over the two ranks {fmt_ratio(half)}× the peak")
+    measured = {label: mean_interval(values) for label, values in shares(folder).items() if values}
+    if measured:
+        parts.append("the split's own collectives (the all-to-alls, the gather and the waits on them) "
+                     + ", ".join(f"{m:.1%} [{lo:.1%}, {hi:.1%}] of a traced step under {label}"
+                                 for label, (m, lo, hi) in measured.items()))
     digits = os.path.join(folder, "digits")
     ends = {name: json.load(open(os.path.join(digits, f"{name}.json"))) for name in ("split", "one-rank")}
     conv = report_dir("convergence")

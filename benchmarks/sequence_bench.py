@@ -113,6 +113,7 @@ def run_share(out: str, repeats: int):
 
     path = os.path.join(out, "share.jsonl")
     open(path, "w").close()
+    start = time.monotonic()
     for repeat in range(repeats):
         for engine, label in ((FSDP2, "FSDP2"), (DEEPSPEED, "ZeRO-3"))[::1 if repeat % 2 == 0 else -1]:
             with tempfile.TemporaryDirectory() as traces:
@@ -128,6 +129,9 @@ def run_share(out: str, repeats: int):
                 f.write(json.dumps(record) + "\n")
             print(f"repeat {repeat} {label}: " + (", ".join(f"{x:.1%}" for x in shares) if "error" not in record
                                                   else "FAILED"), flush=True)
+    env = environment(1, gemm_gflops(1))
+    with open(os.path.join(out, "share-environment.json"), "w") as f:
+        json.dump(dict(env, minutes=round((time.monotonic() - start) / 60, 1)), f, indent=1)
 
 
 def mean_interval(values: list) -> tuple[float, float, float]:
@@ -141,30 +145,42 @@ def mean_interval(values: list) -> tuple[float, float, float]:
     return mean, mean - half, mean + half
 
 
-def share_lines(out: str) -> list:
+def shares(out: str) -> dict:
+    """{engine label: each repeat's share (the mean of its two ranks)} from share.jsonl; {} without one."""
     path = os.path.join(out, "share.jsonl")
     if not os.path.exists(path):
-        return ["The split's collectives' share of the step is not measured here (`--share` measures it)."]
+        return {}
     records = [json.loads(line) for line in open(path) if line.strip()]
-    lines = ["The split's own collectives (the attention's all-to-alls, the gather before the final norm, their "
+    return {label: [sum(r["shares"]) / len(r["shares"]) for r in records
+                    if r["run"] == f"{label} sp 2 @ 2" and "error" not in r] for label in ("FSDP2", "ZeRO-3")}
+
+
+def share_lines(out: str) -> list:
+    measured = shares(out)
+    if not measured:
+        return ["The split's collectives' share of the step is not measured here (`--share` measures it)."]
+    repeats = len([line for line in open(os.path.join(out, "share.jsonl")) if line.strip()]) // len(measured)
+    env = json.load(open(os.path.join(out, "share-environment.json")))
+    lines = [f"`python -m benchmarks.sequence_bench --share` at commit {env['git_commit'][:7]}"
+             + (" (with uncommitted changes)" if "uncommitted" in env["git_commit"] else "")
+             + f", {env['date']}, {env['minutes']:g} min. The split's own collectives (the attention's all-to-alls, the gather before the final norm, their "
              "backward's and the waits on them) as a share of a traced step, `sp_size 2` at two images per step "
              "(`--share`: the profiler's timeline of one timed step per job, the mean of the two ranks; "
-             f"{len({r['repeat'] for r in records})} repeats):", "",
+             f"{repeats} repeats, the engines alternating):", "",
              "| engine | share of the step (mean, 95% t interval) | per repeat |", "|---|---|---|"]
-    for label in ("FSDP2", "ZeRO-3"):
-        shares = [sum(r["shares"]) / len(r["shares"]) for r in records if r["run"] == f"{label} sp 2 @ 2"
-                  and "error" not in r]
-        if not shares:
+    for label, values in measured.items():
+        if not values:
             lines.append(f"| {label} | not measured | |")
             continue
-        mean, low, high = mean_interval(shares)
-        lines.append(f"| {label} | {mean:.1%} [{low:.1%}, {high:.1%}] | {', '.join(f'{x:.1%}' for x in shares)} |")
+        mean, low, high = mean_interval(values)
+        lines.append(f"| {label} | {mean:.1%} [{low:.1%}, {high:.1%}] | {', '.join(f'{x:.1%}' for x in values)} |")
     return lines
 
 
 def report(out: str, minutes: float | None = None):
     results = [json.loads(line) for line in open(os.path.join(out, "runs.jsonl")) if line.strip()]
     env = json.load(open(os.path.join(out, "environment.json")))
+    minutes = minutes or env.get("minutes")
     ok = [r for r in results if "error" not in r]
     lines = [f"# Sequence parallelism on CPU: `sp_size 2` against `sp_size 1` ({env['date']})", "",
              f"`python -m benchmarks.sequence_bench` at commit {env['git_commit'][:7]}"
@@ -210,6 +226,9 @@ def main(argv=None):
     if a.share:
         run_share(a.out, a.repeats)
     minutes = None if a.report_only or a.share else run(a.out, a.repeats)
+    if minutes:  # kept beside the environment, for a report rewritten later
+        path = os.path.join(a.out, "environment.json")
+        json.dump(dict(json.load(open(path)), minutes=round(minutes, 1)), open(path, "w"), indent=1)
     print(f"written: {report(a.out, minutes)}")
 
 

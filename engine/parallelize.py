@@ -9,7 +9,7 @@ from config import Config
 from engine.ds_config import DTYPES
 from loop.optim import layer_ids
 from models.blocks import find_blocks
-from parallel import pipeline
+from parallel import pipeline, sequence
 
 
 def apply_ac(model, cfg: Config, fixed: dict, precision: str, device_type: str, log, stage: int = 0) -> dict:
@@ -20,11 +20,21 @@ def apply_ac(model, cfg: Config, fixed: dict, precision: str, device_type: str, 
     (ac/profile.py); under a pipeline, of pipeline stage `stage`: its blocks with the pieces it holds at once
     (parallel/pipeline.py's stage_profile), so that `auto` recomputes more on the early stages, which hold more.
     Returns the plan (ac_plan.json)."""
-    measured = profile_model(cfg, device_type, DTYPES[precision])[0]
-    if cfg.pp_size > 1:  # the model holds a pipeline stage's blocks
-        measured = pipeline.stage_profile(measured, [b.name for b in find_blocks(model)], cfg, stage)
+    measured = rank_profile(cfg, device_type, precision, [b.name for b in find_blocks(model)], stage)
     return apply_activation_checkpointing(model, cfg.ac, device_type, fixed=fixed, log=log, profile=measured,
                                           compiled=cfg.compile)
+
+
+def rank_profile(cfg: Config, device_type: str, precision: str, blocks: list, stage: int = 0):
+    """The activation profile one rank holds (ac/profile.py): under sequence parallelism its share of the split
+    blocks' tokens (Profile.sequence_share, as the planner counts them), under a pipeline its stage's `blocks`
+    with the pieces the stage holds at once."""
+    measured = profile_model(cfg, device_type, DTYPES[precision])[0]
+    if cfg.sp_size > 1:  # each rank of a sequence group holds its tokens of the split blocks
+        measured = measured.sequence_share(cfg.sp_size, sequence.split_blocks(p.name for p in measured))
+    if cfg.pp_size > 1:  # the model holds a pipeline stage's blocks
+        measured = pipeline.stage_profile(measured, blocks, cfg, stage)
+    return measured
 
 
 def cut_stage(model, cfg: Config, device_type: str, log) -> tuple:

@@ -40,3 +40,22 @@ def test_a_sequence_group_takes_one_rank_of_each_tensor_group():
     assert {tuple(g) for g, _ in groups.values()} == {(0, 2), (1, 3), (4, 6), (5, 7)}
     assert [sequence.layout(r, 4)[0] for r in (0, 5)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert [sequence.layout(r, 4)[1] for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+
+
+def test_auto_budgets_a_ranks_share_of_the_tokens():
+    """`ac auto:<GB>` under sp_size 2 budgets the activations one rank holds (half of each block's): at a budget
+    between a rank's share and the whole sequence's, the split run keeps every activation and the unsplit one
+    recomputes."""
+    from ac.policies import choose_plan
+    from config import parse
+    from engine.parallelize import rank_profile
+    from planner.estimate import _blocks_of
+
+    profiles = [rank_profile(parse(["--model", "vit-digits", "--image_size", "16", "--sp_size", str(sp)]), "cpu",
+                             "fp32", []) for sp in (1, 2)]
+    kept = [sum(p.bytes_none for p in prof) for prof in profiles]
+    assert kept[1] == pytest.approx(kept[0] / 2, rel=0.01)
+    fixed = {"backward": 0, "optimizer_step": 0}
+    budget = (profiles[0].bytes_outside + (kept[0] + kept[1]) / 2) / 2**30
+    plans = [choose_plan(f"auto:{budget}", _blocks_of(prof), prof, fixed) for prof in profiles]
+    assert plans[1] == ["none"] * len(plans[1]) and plans[0] != ["none"] * len(plans[0]), plans
