@@ -1,8 +1,11 @@
 """Sequence parallelism (parallel/sequence.py) in real train.py runs: two ranks that split each image's tokens
 train as one rank does, under FSDP2 and ZeRO-3, and export a model that runs without them."""
+import os
+import time
+
 import pytest
 import torch
-from conftest import check_input, launch, read_metrics
+from conftest import check_input, launch, read_metrics, with_faults
 
 
 def test_two_ranks_splitting_the_tokens_train_as_one_rank_does(debug_args, tmp_path):
@@ -118,6 +121,46 @@ def test_tensor_and_sequence_parallel_on_four_ranks_train_as_one_rank(debug_args
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), a["step"]
     evals = [(a, b) for a, b in zip(expected, got) if "val_top1" in a]
     assert evals and all(b["val_top1"] == a["val_top1"] for a, b in evals)
+
+
+@pytest.mark.slow
+def test_the_ema_of_a_split_run_is_one_ranks(debug_args, tmp_path):
+    """ema_decay 0.9 with the tokens split over two ranks under FSDP2 against one rank without: the same
+    val_ema_top1, and the checkpoint's ema/ files reassemble into one rank's EMA within fp32 reduction order."""
+    from loop.ema import read_ema
+    from models import build_model
+
+    args = debug_args + ["--model", "vit-debug", "--engine", "fsdp2", "--max_steps", "6", "--eval_every", "6",
+                         "--save_every", "6", "--ema_decay", "0.9"]
+    one, split = tmp_path / "one", tmp_path / "split"
+    launch(args + ["--output_dir", one], nproc=1)
+    launch(args + ["--sp_size", "2", "--output_dir", split])
+    ema = [{r["step"]: r["val_ema_top1"] for r in read_metrics(run) if "val_ema_top1" in r} for run in (one, split)]
+    assert ema[0] and ema[1] == ema[0]
+    shapes = dict(build_model("vit-debug", 10, 16)[0].named_parameters())
+    got, expected = (read_ema(run / "checkpoints" / "step0000006" / "ema", shapes) for run in (split, one))
+    assert set(got) == set(expected) == set(shapes)
+    for name in shapes:  # atol: the key's bias, which no softmax sees, takes AdamW's steps on rounding noise
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.slow
+def test_an_exception_on_one_rank_of_a_split_ends_the_job_in_seconds(debug_args, tmp_path, monkeypatch):
+    """Rank 1 of a sequence group raises at its third step's loss while rank 0 goes on into the backward's
+    all-to-alls: the job ends in seconds with one line naming rank 1, the records and the checkpoint of step 2
+    kept (tests/integration/test_fail_fast.py's case, split)."""
+    for key, value in with_faults(dict(os.environ), {"RAISE": "1:3"}).items():
+        monkeypatch.setenv(key, value)
+    out = tmp_path / "run"
+    started = time.monotonic()
+    proc = launch(debug_args + ["--model", "vit-debug", "--engine", "fsdp2", "--sp_size", "2", "--max_steps", 40,
+                                "--save_every", 2, "--output_dir", out], check=False, timeout=120)
+    assert proc.returncode == 1 and time.monotonic() - started < 60, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error: rank 1 failed")] == [
+        f"error: rank 1 failed at step 3: RuntimeError: injected: the task's loss failed (traceback: "
+        f"{out}/errors/rank1.txt)"], proc.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step0000002"
 
 
 @pytest.mark.slow
