@@ -164,6 +164,48 @@ def test_an_exception_on_one_rank_of_a_split_ends_the_job_in_seconds(debug_args,
 
 
 @pytest.mark.slow
+def test_every_policy_under_the_split_takes_nones_steps_bitwise(debug_args, tmp_path):
+    """`light`, `full`, `every_n:2` and `hierarchical` recompute through the all-to-alls: under FSDP2 with sp_size
+    2, 4 steps with stochastic depth give `none`'s losses and gradient norms bitwise (`selective`: the default
+    run's test; `offload` needs a GPU)."""
+    args = debug_args + ["--model", "vit-debug", "--engine", "fsdp2", "--sp_size", "2", "--max_steps", "4",
+                         "--eval_every", "0", "--save_every", "0", "--drop_path", "0.1"]
+    steps = {}
+    for policy in ("none", "light", "full", "every_n:2", "hierarchical"):
+        launch(args + ["--ac", policy, "--output_dir", tmp_path / policy])
+        steps[policy] = [(r["loss"], r["grad_norm"]) for r in read_metrics(tmp_path / policy)]
+    assert len(steps["none"]) == 4
+    assert all(steps[policy] == steps["none"] for policy in steps), steps
+
+
+@pytest.mark.slow
+def test_a_split_run_preempted_by_sigterm_checkpoints_and_resumes_exactly(debug_args, tmp_path):
+    """FSDP2 with sp_size 2 under torchrun, SIGTERM to the whole job mid-run (as a scheduler preempts it): the
+    two ranks of the sequence group finish their step, write its checkpoint and exit; the relaunch gives every
+    step's loss of the uninterrupted run, bitwise."""
+    import signal
+
+    from test_reliability import start, steps_logged, wait_for
+
+    args = debug_args + ["--model", "vit-debug", "--engine", "fsdp2", "--sp_size", "2", "--max_steps", "60",
+                         "--save_every", "0", "--eval_every", "0"]
+    full, run = tmp_path / "full", tmp_path / "run"
+    launch(args + ["--output_dir", full])
+    expected = {r["step"]: r["loss"] for r in read_metrics(full) if "loss" in r}
+    proc = start(args + ["--output_dir", run], "torchrun")
+    wait_for(lambda: steps_logged(run) >= 6, proc)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0]
+    line = next((line for line in out.splitlines() if line.startswith("preempted (SIGTERM) after step")), out[-3000:])
+    step = int(line.split("after step ")[1].split(":")[0])
+    assert f"checkpoint step{step:07d} written; continue with --resume latest" in line and 6 <= step < 60
+    resumed = launch(args + ["--output_dir", run, "--resume", "latest"])
+    assert f"at step {step}" in resumed.stdout and "data order restarts" not in resumed.stdout
+    got = {r["step"]: r["loss"] for r in read_metrics(run) if "loss" in r}
+    assert sorted(got) == list(range(1, 61)) and got == expected
+
+
+@pytest.mark.slow
 def test_a_split_run_killed_mid_run_resumes_exactly(debug_args, tmp_path):
     """ZeRO-3 with sp_size 2 under DeepSpeed's launcher, killed with SIGKILL (the whole job) once its step-10
     checkpoint is complete: the relaunch with --resume latest resumes from the newest complete checkpoint and every
