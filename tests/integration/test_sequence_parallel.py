@@ -54,10 +54,28 @@ def test_an_sp_size_that_does_not_divide_the_ranks_is_one_line(debug_args, capsy
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("stage", ["1", "2"])
+def test_zero_1_and_2_split_as_one_rank_trains(debug_args, tmp_path, stage):
+    """The default run's case under ZeRO-1 and ZeRO-2 (ZeRO-3 and FSDP2 there): 6 steps with the tokens split
+    over two ranks give one rank's losses and gradient norms within fp32 reduction order."""
+    args = debug_args + ["--model", "vit-debug", "--engine", "deepspeed", "--zero_stage", stage, "--max_steps", "6",
+                         "--eval_every", "0", "--save_every", "0", "--drop_path", "0.1"]
+    one, split = tmp_path / "one", tmp_path / "split"
+    launch(args + ["--output_dir", one], nproc=1)
+    launch(args + ["--sp_size", "2", "--output_dir", split])
+    expected, got = read_metrics(one), read_metrics(split)
+    assert [r["step"] for r in got] == list(range(1, 7))
+    for a, b in zip(expected, got):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), a["step"]
+
+
+@pytest.mark.slow
 def test_a_split_run_resumes_exactly_split_and_whole(debug_args, tmp_path):
     """FSDP2 with sp_size 2 for 10 steps, a checkpoint at 5: resumed from it on the same two ranks the run goes on
     bitwise; resumed on one rank without the split (the same single data rank, the same global batch) it goes
-    on within fp32 reduction order, from the same data position."""
+    on within fp32 reduction order, from the same data position; and the other way, a one-rank run's checkpoint
+    resumed split over two ranks goes on as the one-rank run does."""
     args = debug_args + ["--model", "vit-debug", "--engine", "fsdp2", "--max_steps", "10", "--save_every", "5",
                          "--eval_every", "0"]
     full = tmp_path / "full"
@@ -77,6 +95,17 @@ def test_a_split_run_resumes_exactly_split_and_whole(debug_args, tmp_path):
     for s in range(6, 11):
         assert got[s]["loss"] == pytest.approx(expected[s]["loss"], rel=1e-5), s
         assert got[s]["grad_norm"] == pytest.approx(expected[s]["grad_norm"], rel=1e-5), s
+    one = tmp_path / "one"  # 1 -> 2
+    launch(args + ["--output_dir", one], nproc=1)
+    unsplit = {r["step"]: r for r in read_metrics(one) if "loss" in r}
+    split = tmp_path / "split"
+    proc = launch(args + ["--sp_size", "2", "--output_dir", split, "--resume", one / "checkpoints" / "step0000005"])
+    assert "at step 5" in proc.stdout and "data order restarts" not in proc.stdout
+    got = {r["step"]: r for r in read_metrics(split) if "loss" in r}
+    assert sorted(got) == list(range(6, 11))
+    for s in range(6, 11):
+        assert got[s]["loss"] == pytest.approx(unsplit[s]["loss"], rel=1e-5), s
+        assert got[s]["grad_norm"] == pytest.approx(unsplit[s]["grad_norm"], rel=1e-5), s
 
 
 @pytest.mark.slow
