@@ -8,6 +8,16 @@ import torch
 from conftest import check_input, launch, read_metrics, with_faults
 
 
+def assert_steps_close(expected: list, got: list, steps: int):
+    """`got`'s training records are steps 1 to `steps`, each with `expected`'s loss and gradient norm within fp32
+    reduction order (1e-5 relative)."""
+    train = [(a, b) for a, b in zip(expected, got) if "loss" in a]
+    assert [b["step"] for _, b in train] == list(range(1, steps + 1))
+    for a, b in train:
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), a["step"]
+
+
 def test_two_ranks_splitting_the_tokens_train_as_one_rank_does(debug_args, tmp_path):
     """vit-debug at 16 px has 65 tokens with its CLS token (odd: padded to 66, the padding masked out of every
     softmax). 10 steps with stochastic depth on one rank, and on two ranks with sp_size 2 (one data rank: the same
@@ -64,10 +74,7 @@ def test_zero_1_and_2_split_as_one_rank_trains(debug_args, tmp_path, stage):
     launch(args + ["--output_dir", one], nproc=1)
     launch(args + ["--sp_size", "2", "--output_dir", split])
     expected, got = read_metrics(one), read_metrics(split)
-    assert [r["step"] for r in got] == list(range(1, 7))
-    for a, b in zip(expected, got):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), a["step"]
+    assert_steps_close(expected, got, 6)
 
 
 @pytest.mark.slow
@@ -120,11 +127,7 @@ def test_two_sequence_groups_train_as_two_data_ranks(debug_args, tmp_path):
     proc = launch(args + ["--sp_size", "2", "--output_dir", grid], nproc=4)
     assert "= 2 data x 2 sequence parallel" in proc.stdout
     expected, got = read_metrics(flat), read_metrics(grid)
-    train = [(a, b) for a, b in zip(expected, got) if "loss" in a]
-    assert len(train) == 6
-    for a, b in train:
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), a["step"]
+    assert_steps_close(expected, got, 6)
     evals = [(a, b) for a, b in zip(expected, got) if "val_top1" in a]
     assert evals and all(b["val_top1"] == a["val_top1"] for a, b in evals)
 
@@ -143,11 +146,7 @@ def test_tensor_and_sequence_parallel_on_four_ranks_train_as_one_rank(debug_args
     assert "= 1 data x 2 tensor parallel x 2 sequence parallel | global batch 16 = 16 micro x 1 accum x 1 ranks" \
         in proc.stdout, proc.stdout[-3000:]
     expected, got = read_metrics(one), read_metrics(grid)
-    train = [(a, b) for a, b in zip(expected, got) if "loss" in a]
-    assert [b["step"] for _, b in train] == list(range(1, 7))
-    for a, b in train:
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), a["step"]
+    assert_steps_close(expected, got, 6)
     evals = [(a, b) for a, b in zip(expected, got) if "val_top1" in a]
     assert evals and all(b["val_top1"] == a["val_top1"] for a, b in evals)
 
@@ -277,11 +276,7 @@ def test_mae_split_over_two_ranks_trains_as_one_rank_does(engine, debug_args, tm
     proc = launch(args + ["--sp_size", "2", "--output_dir", split])
     assert "= 1 data x 2 sequence parallel" in proc.stdout
     expected, got = read_metrics(one), read_metrics(split)
-    train = [(a, b) for a, b in zip(expected, got) if "loss" in a]
-    assert [b["step"] for _, b in train] == list(range(1, 9))
-    for a, b in train:
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), a["step"]
+    assert_steps_close(expected, got, 8)
     assert got[-1]["val_loss"] == pytest.approx(expected[-1]["val_loss"], rel=1e-5)
     images, noise = torch.randn(4, 3, 16, 16), torch.rand(4, 64)
     with torch.no_grad():
@@ -305,11 +300,7 @@ def test_simmim_split_over_two_ranks_trains_as_one_rank_does(debug_args, tmp_pat
     proc = launch(args + ["--sp_size", "2", "--output_dir", split])
     assert "= 1 data x 2 sequence parallel" in proc.stdout
     expected, got = read_metrics(one), read_metrics(split)
-    train = [(a, b) for a, b in zip(expected, got) if "loss" in a]
-    assert [b["step"] for _, b in train] == list(range(1, 9))
-    for a, b in train:
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), a["step"]
+    assert_steps_close(expected, got, 8)
     assert got[-1]["val_loss"] == pytest.approx(expected[-1]["val_loss"], rel=1e-5)
     images, masked = torch.randn(4, 3, 16, 16), torch.rand(4, 64) < 0.6
     with torch.no_grad():
@@ -335,10 +326,7 @@ def test_a_checkpoint_fine_tuned_at_twice_its_resolution_splits_as_one_rank_trai
     assert "its position embeddings are resampled (bicubic) to 32px's 16x16 patches" in proc.stdout
     launch(args + ["--sp_size", "2", "--output_dir", split])
     expected, got = read_metrics(one), read_metrics(split)
-    assert [r["step"] for r in got] == [1, 2, 3, 4]
-    for a, b in zip(expected, got):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), a["step"]
+    assert_steps_close(expected, got, 4)
 
 
 @pytest.mark.slow
